@@ -1,0 +1,114 @@
+"""`python -m launcher ...`: compose the config, check it, launch the ranks, report, exit.
+
+Exit status: 0 when every compared tensor passed, 1 on a mismatch (FAIL), 2 on any error
+(invalid config, a crashed or hung rank, an implementation that broke the contract).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_object
+from omegaconf import DictConfig
+
+from layers.config import ConfigError
+from layers.registry import get_layer
+
+from . import devices, report
+from .launch import launch
+from .schema import RunSpec, register, run_spec
+
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+register()
+
+
+def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
+    """Every check the config alone allows, before any process is started."""
+    spec = run_spec(cfg, output_dir)
+    spec.case.validate()
+    get_layer(spec.case.layer).validate(spec.case)
+    backend = devices.resolve_backend(spec.backend)
+    devices.check_devices(backend, spec.nproc_per_node)
+    try:
+        get_object(spec.impl["_target_"])
+    except Exception as e:  # ImportError, AttributeError, ...: all mean "cannot find it"
+        raise ConfigError(f"impl._target_={spec.impl['_target_']!r} cannot be imported: {e}") from e
+    return spec
+
+
+def execute(cfg: DictConfig, output_dir: str) -> int:
+    t0 = time.perf_counter()
+    try:
+        spec = preflight(cfg, output_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    outcome = launch(spec)
+    result = report.build_result(spec, outcome, wall_s=time.perf_counter() - t0)
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(report.render(result))
+    if result["status"] == "error":
+        return EXIT_ERROR
+    return EXIT_PASS if result["passed"] else EXIT_FAIL
+
+
+_exit_code = EXIT_ERROR
+_compose_stderr: io.StringIO | None = None
+
+
+def _end_composition() -> None:
+    """Hand stderr back, passing on whatever Hydra wrote while composing (warnings)."""
+    global _compose_stderr
+    if _compose_stderr is not None:
+        sys.stderr = sys.__stderr__
+        sys.stderr.write(_compose_stderr.getvalue())
+        _compose_stderr = None
+
+
+@hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
+def _hydra_main(cfg: DictConfig) -> int:
+    global _exit_code
+    _end_composition()
+    _exit_code = execute(cfg, HydraConfig.get().runtime.output_dir)
+    return _exit_code
+
+
+def one_line(hydra_message: str) -> str:
+    """Hydra's multi-line composition error as one line (its hints about env vars dropped)."""
+    keep = []
+    for line in hydra_message.splitlines():
+        line = line.strip()
+        if line.startswith(("Set the environment variable", "Config search path", "Traceback")):
+            break
+        if line and not line.startswith(("full_key:", "object_type=", "reference_type=")):
+            keep.append(line)
+    return " ".join(keep)
+
+
+def main() -> None:
+    """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
+    global _compose_stderr
+    _compose_stderr = io.StringIO()
+    sys.stderr = _compose_stderr
+    try:
+        _hydra_main()
+    except SystemExit as e:
+        if _compose_stderr is None or not e.code:
+            _end_composition()
+            raise
+        text = _compose_stderr.getvalue()
+        _compose_stderr = None
+        sys.stderr = sys.__stderr__
+        print(f"error: {one_line(text)}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    _end_composition()
+    sys.exit(_exit_code)

@@ -1,0 +1,86 @@
+"""Backend and device selection: gloo on CPU, nccl on `cuda:<local_rank>`, hccl on `npu:<local_rank>`.
+
+torch_npu is imported lazily, only when the hccl backend is chosen or probed for `auto`, so the
+CPU and CUDA paths never need it. Device visibility (CUDA_VISIBLE_DEVICES,
+ASCEND_RT_VISIBLE_DEVICES) is honoured because the runtime itself applies it before counting.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import torch
+
+from layers.config import ConfigError
+
+DEVICE_TYPE = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
+
+
+def _torch_npu():
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError as e:
+        raise ConfigError(f"backend=hccl needs torch_npu (pip install 'dsv4-tp-harness[npu]'): {e}") from e
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    _torch_npu()
+    return bool(torch.npu.is_available())  # attribute added by torch_npu
+
+
+def resolve_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if npu_available():
+        return "hccl"
+    if torch.cuda.is_available():
+        return "nccl"
+    return "gloo"
+
+
+def device_count(backend: str) -> int | None:
+    """Accelerators visible to this process; None for the CPU (no limit)."""
+    if backend == "nccl":
+        return torch.cuda.device_count()
+    if backend == "hccl":
+        _torch_npu()
+        return int(torch.npu.device_count())
+    return None
+
+
+def check_devices(backend: str, nproc_per_node: int) -> None:
+    n = device_count(backend)
+    if n is not None and nproc_per_node > n:
+        visible = {"nccl": "CUDA_VISIBLE_DEVICES", "hccl": "ASCEND_RT_VISIBLE_DEVICES"}[backend]
+        raise ConfigError(
+            f"{nproc_per_node} ranks per node need {nproc_per_node} {DEVICE_TYPE[backend]} devices but {n} "
+            f"are visible ({visible}={os.environ.get(visible, '<unset>')}); lower tp or use backend=gloo"
+        )
+
+
+def collective_timeout_env(backend: str, timeout_s: float) -> dict[str, str]:
+    """Environment that maps the run's timeout onto the backend's own watchdogs."""
+    seconds = str(max(1, int(timeout_s)))
+    if backend == "hccl":
+        return {"HCCL_CONNECT_TIMEOUT": seconds, "HCCL_EXEC_TIMEOUT": seconds}
+    return {}
+
+
+def setup_device(backend: str, local_rank: int) -> torch.device:
+    """Bind this process to its device and make fp32 GEMMs full precision there."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        # TF32 would change fp32 GEMM results well beyond summation-order noise.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return torch.device("cuda", local_rank)
+    if backend == "hccl":
+        _torch_npu()
+        torch.npu.set_device(local_rank)
+        torch.npu.matmul.allow_hf32 = False  # HF32 is the Ascend analogue of TF32
+        return torch.device("npu", local_rank)
+    return torch.device("cpu")

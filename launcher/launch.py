@@ -1,0 +1,103 @@
+"""Start one worker process per rank with torch.distributed.elastic and collect the outcome.
+
+Thin, as `torch.distributed.run` is: RunSpec -> LaunchConfig -> elastic_launch(rank_main).
+Each rank logs to `<output_dir>/logs/<run>/attempt_0/<rank>/{stdout,stderr}.log`; rank 0 is also
+teed to the console. A failing rank becomes a `RankFailure` naming the root-cause rank, the
+stage it failed in, its message, its traceback and its log folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import multiprocessing
+import os
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from .schema import RunSpec
+from .worker import rank_main
+
+# Imported by the forkserver once, so that each rank starts without re-importing torch.
+PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.worker", "layers.swa", "layers.csa", "layers.hca"]
+
+_STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)'")
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    stage: str | None
+    message: str
+    traceback: str
+    exitcode: int
+    log_dir: str | None
+    other_ranks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LaunchOutcome:
+    result: dict | None  # rank 0's return value when every rank succeeded
+    failure: RankFailure | None
+    log_dir: str
+
+
+def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=spec.nproc_per_node,
+        run_id=run_id,
+        role="rank",
+        rdzv_backend="c10d",
+        # Port 0: the store binds a free loopback port, so concurrent runs never collide.
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_configs={"timeout": int(spec.timeout_s), "join_timeout": int(spec.timeout_s)},
+        local_addr="127.0.0.1",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method=spec.start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=log_root, redirects=Std.ALL, tee={0: Std.ALL}),
+    )
+
+
+def _rank_log_dir(log_root: str, run_id: str, local_rank: int) -> str | None:
+    hits = glob.glob(os.path.join(log_root, f"{run_id}*", "attempt_*", str(local_rank)))
+    return sorted(hits)[-1] if hits else None
+
+
+def _failure(e: ChildFailedError, log_root: str, run_id: str) -> RankFailure:
+    rank, f = e.get_first_failure()
+    msg, tb = f.message, ""
+    if isinstance(msg, dict):
+        tb = msg.get("extraInfo", {}).get("py_callstack", "")
+        msg = msg.get("message", "<no message>")
+    m = _STAGE_NOTE.search(tb)
+    return RankFailure(
+        rank=rank,
+        stage=m.group(2) if m else None,
+        message=str(msg),
+        traceback=tb,
+        exitcode=f.exitcode,
+        log_dir=_rank_log_dir(log_root, run_id, f.local_rank),
+        other_ranks=sorted(r for r in e.failures if r != rank),
+    )
+
+
+def launch(spec: RunSpec) -> LaunchOutcome:
+    log_root = os.path.join(spec.output_dir, "logs")
+    os.makedirs(log_root, exist_ok=True)
+    run_id = f"{spec.case.layer}-tp{spec.case.tp}-{uuid.uuid4().hex[:8]}"
+    if spec.start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(PRELOAD)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    try:
+        results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
+    except ChildFailedError as e:
+        return LaunchOutcome(result=None, failure=_failure(e, log_root, run_id), log_dir=log_root)
+    return LaunchOutcome(result=results[0], failure=None, log_dir=log_root)

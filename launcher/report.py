@@ -1,0 +1,106 @@
+"""The run's result: a JSON-ready dict (`result.json`) and its console rendering.
+
+A result is `status` ("ok" or "error"), `passed`, the case, per-tensor verdicts with pooled
+and per-rank figures, per-rank stage times, and on error the root-cause rank, stage, message,
+traceback and log folder. Rendering never needs anything but that dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+
+import torch
+
+from .launch import LaunchOutcome
+from .schema import RunSpec
+
+STAGES = ("fixture", "layer", "gather", "golden", "compare")
+
+
+def _case_dict(spec: RunSpec) -> dict:
+    c = spec.case
+    return {
+        "layer": c.layer,
+        "model": c.model.name,
+        "tp": c.tp,
+        "local_t": c.local_t,
+        "seed": c.seed,
+        "start_pos": list(c.start_pos) if isinstance(c.start_pos, tuple) else c.start_pos,
+        "backend": spec.backend,
+        "impl": spec.impl.get("_target_"),
+    }
+
+
+def build_result(spec: RunSpec, outcome: LaunchOutcome, *, wall_s: float) -> dict:
+    result = {
+        "case": _case_dict(spec),
+        "model_fields": spec.case.model.fields(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "wall_s": round(wall_s, 3),
+        "log_dir": outcome.log_dir,
+    }
+    if outcome.failure is not None:
+        result.update(status="error", passed=False, error=dataclasses.asdict(outcome.failure))
+        return result
+    r = outcome.result
+    result.update(status="ok", passed=bool(r["passed"]), verdicts=r["verdicts"], rank_seconds=r["rank_seconds"])
+    return result
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def render(result: dict) -> str:
+    c = result["case"]
+    lines = [
+        f"dsv4-tp-harness  layer={c['layer']} model={c['model']} tp={c['tp']} local_t={c['local_t']} "
+        f"seed={c['seed']} start_pos={c['start_pos']} backend={c['backend']} impl={c['impl']}"
+    ]
+    if result["status"] == "error":
+        e = result["error"]
+        stage = f" in stage '{e['stage']}'" if e["stage"] else ""
+        lines.append(f"ERROR: rank {e['rank']} failed{stage} (exit code {e['exitcode']}): {e['message']}")
+        if e["traceback"]:
+            tail = [ln for ln in e["traceback"].rstrip().splitlines() if ln.strip()][-8:]
+            lines += ["  " + ln for ln in tail]
+        if e["other_ranks"]:
+            lines.append(f"  ranks also stopped: {e['other_ranks']}")
+        lines.append(f"  log: {e['log_dir'] or result['log_dir']}")
+        lines.append(f"VERDICT: ERROR ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
+    secs = result["rank_seconds"]
+    stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in STAGES if any(s in (r or {}) for r in secs)]
+    lines.append("stages (s, slowest rank): " + " | ".join(stage_cells))
+    rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
+    for v in result["verdicts"]:
+        f = v.get("figures", {})
+        rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(f), _fmt(f.get("max_abs_diff")), _fmt(f.get("worst")), v["label"]])
+        for pr in v.get("per_rank", []):
+            rows.append(["", str(pr["rank"]), "ok" if not pr.get("n_bad") else "bad", _bad(pr), _fmt(pr.get("max_abs_diff")), _fmt(pr.get("worst")), ""])
+    lines += _table(rows)
+    for v in result["verdicts"]:
+        if not v["passed"]:
+            lines.append(f"{v['tensor']} FAIL ({v['label']})")
+            lines += [ln for ln in v["detail"].splitlines()]
+    verdict = "PASS" if result["passed"] else "FAIL"
+    failed = [v["tensor"] for v in result["verdicts"] if not v["passed"]]
+    lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
+    return "\n".join(lines)
+
+
+def _bad(figures: dict) -> str:
+    if "n_bad" not in figures:
+        return "-"
+    return f"{figures['n_bad']}/{figures.get('numel', '?')}"

@@ -1,0 +1,129 @@
+"""Hydra schemas of the run config and its conversion to the launcher's `RunSpec`.
+
+The model group's schema mirrors `layers.config.ModelConfig` field for field (a frozen
+dataclass cannot be a Hydra node, and derived sizes are properties, so they can never be
+overridden); typos and wrong types fail at composition. `run_spec` is the one place where an
+OmegaConf tree becomes plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from layers.case import Case
+from layers.config import ConfigError, ModelConfig
+
+BACKENDS = ("auto", "gloo", "nccl", "hccl")
+START_METHODS = ("forkserver", "spawn", "fork")
+DEFAULT_IMPL = "layers.tp.TorchTP"
+
+_hints = typing.get_type_hints(ModelConfig)
+ModelSchema = dataclasses.make_dataclass(
+    "ModelSchema", [(f.name, _hints[f.name], field(default=MISSING)) for f in dataclasses.fields(ModelConfig)]
+)
+
+
+@dataclass
+class LayerSchema:
+    name: str = MISSING
+
+
+@dataclass
+class RunSchema:
+    layer: LayerSchema = MISSING
+    model: Any = MISSING
+    tp: int = 4
+    local_t: Optional[int] = None
+    seed: int = 20260819
+    start_pos: Any = None
+    impl: Any = None
+    backend: str = "auto"
+    timeout_s: float = 300.0
+    start_method: str = "forkserver"
+    threads_per_rank: Optional[int] = None
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunSchema)
+    cs.store(group="layer", name="layer_schema", node=LayerSchema)
+    cs.store(group="model", name="model_schema", node=ModelSchema)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs to run its part of one case (picklable, no OmegaConf)."""
+
+    case: Case
+    impl: dict  # a Hydra instantiate spec: {"_target_": ..., **kwargs}
+    backend: str
+    timeout_s: float
+    start_method: str
+    threads_per_rank: Optional[int]
+    output_dir: str
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.case.tp
+
+    def threads(self) -> int:
+        """Per-rank intra-op threads: the node's cores shared by its ranks, never oversubscribed."""
+        if self.threads_per_rank:
+            return self.threads_per_rank
+        return max(1, (os.cpu_count() or 1) // self.nproc_per_node)
+
+
+def _start_pos(value: Any) -> int | tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (ListConfig, list, tuple)):
+        items = list(value)
+        if not items or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+            raise ConfigError(f"start_pos={list(items)} must be an integer or a non-empty list of integers")
+        return tuple(items)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"start_pos={value!r} must be an integer or a list of integers")
+
+
+def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
+    """Turn the composed config into a RunSpec; raise ConfigError on anything invalid."""
+    model_fields = OmegaConf.to_container(cfg.model, resolve=True)
+    model = ModelConfig(**model_fields)
+    tp = int(cfg.tp)
+    local_t = cfg.local_t if cfg.local_t is not None else (model.decode_tokens // tp if tp > 0 else 0)
+    case = Case(
+        layer=str(cfg.layer.name),
+        model=model,
+        tp=tp,
+        local_t=int(local_t),
+        seed=int(cfg.seed),
+        start_pos=_start_pos(cfg.start_pos),
+    )
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
+    if cfg.start_method not in START_METHODS:
+        raise ConfigError(f"start_method={cfg.start_method!r} must be one of {', '.join(START_METHODS)}")
+    if cfg.timeout_s <= 0:
+        raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
+    if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
+        raise ConfigError(f"threads_per_rank={cfg.threads_per_rank} must be >= 1")
+    impl = OmegaConf.to_container(cfg.impl, resolve=True) if cfg.impl is not None else {"_target_": DEFAULT_IMPL}
+    if not isinstance(impl, dict) or "_target_" not in impl:
+        raise ConfigError(f"impl={impl!r} must name a callable as impl._target_=package.module.Name")
+    return RunSpec(
+        case=case,
+        impl=impl,
+        backend=str(cfg.backend),
+        timeout_s=float(cfg.timeout_s),
+        start_method=str(cfg.start_method),
+        threads_per_rank=cfg.threads_per_rank,
+        output_dir=output_dir,
+    )

@@ -1,0 +1,181 @@
+"""The per-rank entry point: build the rank's fixture slice, run the implementation, gather, judge.
+
+Runs in every process the elastic agent starts (or under an external torchrun, which sets the
+same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order:
+
+    fixture -> layer -> gather -> golden (rank 0) -> compare (rank 0)
+
+Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return None.
+Any exception carries a note naming the rank and stage, and the elastic error file keeps its
+traceback for the launcher's failure report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+
+from layers.base import Kind, PoolCheck, RankContext
+from layers.registry import get_layer
+
+from . import devices
+from .comparators import build_comparator
+from .schema import RunSpec
+
+log = logging.getLogger("launcher.worker")
+
+
+class ImplContractError(RuntimeError):
+    """The implementation under test returned something that breaks the layer's contract."""
+
+
+class _Stages:
+    """Times each stage and tags a failure with the rank and stage it happened in."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        log.info("stage %s ...", name)
+        try:
+            yield
+        except BaseException as e:
+            e.add_note(f"rank {self.rank} failed in stage '{name}'")
+            raise
+        self.seconds[name] = time.perf_counter() - t0
+        log.info("stage %s done (%.2fs)", name, self.seconds[name])
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
+    )
+
+
+def check_outputs(outputs, expected_specs: dict, rank: int) -> None:
+    """Refuse, on the rank that produced it, an output the gather and comparators cannot take."""
+    if not isinstance(outputs, dict):
+        raise ImplContractError(f"rank {rank}: impl returned {type(outputs).__name__}, expected a dict of tensors")
+    missing = [n for n in expected_specs if n not in outputs]
+    if missing:
+        raise ImplContractError(f"rank {rank}: impl did not return {', '.join(missing)}")
+    for name, spec in expected_specs.items():
+        t = outputs[name]
+        if not isinstance(t, torch.Tensor):
+            raise ImplContractError(f"rank {rank}: impl output '{name}' is {type(t).__name__}, expected a tensor")
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise ImplContractError(
+                f"rank {rank}: impl output '{name}' has shape {tuple(t.shape)} dtype {t.dtype}, "
+                f"expected shape {spec.shape} dtype {spec.dtype}"
+            )
+
+
+def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int, device) -> dict[str, torch.Tensor]:
+    """Stack every rank's tensor of each name on rank 0 (CPU), bit-exact for every dtype.
+
+    Tensors travel as raw bytes, which every backend supports and which keeps bf16 exact.
+    Every rank has the same shapes by construction (checked before the gather).
+    """
+    gathered = {}
+    for name in names:
+        t = tensors[name].detach().to(device).contiguous()
+        wire = t.reshape(-1).view(torch.uint8)
+        bufs = [torch.empty_like(wire) for _ in range(tp)] if rank == 0 else None
+        dist.gather(wire, bufs, dst=0)
+        if rank == 0:
+            gathered[name] = torch.stack([b.cpu().view(t.dtype).reshape(t.shape) for b in bufs])
+    return gathered
+
+
+def _golden_by_shard(spec: RunSpec, layer, compared: tuple[str, ...], mappings: set[str]):
+    """The golden of every rank's shard, one shard at a time (only its outputs are kept)."""
+    case = spec.case
+    wo_a, wo_b = layer.full_o_weights(case)
+    inout = set(layer.names_of(case, Kind.INOUT))
+    golden, inputs, initial = {n: [] for n in compared}, {n: [] for n in mappings}, {n: [] for n in compared if n in inout}
+    for r in range(case.tp):
+        tensors = layer.rank_inputs(case, r)
+        for n in initial:
+            initial[n].append(tensors[n].clone())
+        for n in mappings:
+            inputs[n].append(tensors[n])
+        tensors["wo_a"], tensors["wo_b"] = wo_a, wo_b
+        out = layer.golden(case.model, tensors)
+        for n in compared:
+            golden[n].append(out[n])
+        del tensors, out
+    stack = lambda d: {n: torch.stack(v) for n, v in d.items()}  # noqa: E731
+    return stack(golden), stack(inputs), stack(initial)
+
+
+def compare(spec: RunSpec, layer, actual: dict, golden: dict, inputs: dict, initial: dict) -> list[dict]:
+    case = spec.case
+    comparator_inputs = dict(inputs)
+    comparator_inputs.update({f"initial:{n}": v for n, v in initial.items()})
+    comparator_inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
+    verdicts = []
+    for check in layer.checks(case):
+        cmp = build_comparator(check, mapping_shape=(case.tp, case.local_t), leading_rank_axis=True)
+        v = cmp.evaluate(
+            actual[check.output], golden[check.output], inputs=comparator_inputs,
+            actual_outputs=actual, expected_outputs=golden,
+        )
+        verdicts.append({"tensor": check.output, **v.to_dict()})
+    return verdicts
+
+
+def rank_main(spec: RunSpec):
+    rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    _setup_logging(rank)
+    case = spec.case
+    if tp != case.tp:
+        raise RuntimeError(f"WORLD_SIZE={tp} but the config asks for tp={case.tp}")
+    torch.set_num_threads(spec.threads())
+    backend = devices.resolve_backend(spec.backend)
+    os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s))
+    device = devices.setup_device(backend, local_rank)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    try:
+        return _run(spec, rank, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(spec: RunSpec, rank: int, device: torch.device):
+    case = spec.case
+    layer = get_layer(case.layer)
+    stage = _Stages(rank)
+    specs = layer.tensor_specs(case)
+    compared = layer.compared_names(case)
+    with stage("fixture"):
+        tensors = {n: t.to(device) for n, t in layer.rank_inputs(case, rank).items()}
+        impl = instantiate(spec.impl)
+    with stage("layer"):
+        outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
+        check_outputs(outputs, {n: specs[n] for n in compared}, rank)
+    with stage("gather"):
+        actual = gather_to_rank0(outputs, compared, rank, case.tp, device)
+        del tensors, outputs
+        timings = [None] * case.tp if rank == 0 else None
+        dist.gather_object(stage.seconds, timings, dst=0)
+    if rank != 0:
+        return None
+    torch.set_num_threads(max(1, os.cpu_count() or 1))  # the other ranks are done: use every core
+    mappings = {c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)}
+    with stage("golden"):
+        golden, inputs, initial = _golden_by_shard(spec, layer, compared, mappings)
+    with stage("compare"):
+        verdicts = compare(spec, layer, actual, golden, inputs, initial)
+    timings[0] = stage.seconds
+    return {"passed": all(v["passed"] for v in verdicts), "verdicts": verdicts, "rank_seconds": timings}

@@ -1,0 +1,1 @@
+"""DeepSeek-V4-Flash TP decode attention layers (SWA, CSA, HCA): goldens, fixtures, TP code."""

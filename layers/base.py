@@ -1,0 +1,123 @@
+"""The contract between the orchestrator and a decode layer, and the implementation interface.
+
+A `Layer` knows, for one `Case`: which tensors a rank holds (names, shapes, dtypes and whether
+each is a pure input, an in-out cache/state or a pure output, spec validation.md §2.1), how to
+build rank r's slice deterministically, the full (unsharded) O weights the golden needs, the
+single-device golden of one rank's shard, its own TP implementation, and the comparators its
+outputs are checked with (as data; `launcher.comparators` builds them).
+
+An implementation under test is any callable `impl(ctx: RankContext, tensors) -> outputs`:
+`tensors` holds the rank's inputs and in-out tensors on `ctx.device` (O weights sharded), and
+it returns `x_out` and every in-out tensor after the step (mutating them in place is fine).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Union
+
+import torch
+
+from .case import Case
+from .config import ModelConfig
+
+if TYPE_CHECKING:  # torch.distributed is only needed by the TP code paths.
+    from torch.distributed import ProcessGroup
+
+
+class Kind(enum.Enum):
+    INPUT = "input"  # saved to in/, never compared
+    INOUT = "inout"  # initial value in in/, final value in out/, compared
+    OUTPUT = "output"  # zero-initialised, saved to out/, compared
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]  # one rank's shape (no leading rank axis)
+    dtype: torch.dtype
+    kind: Kind
+
+
+@dataclass(frozen=True)
+class PoolCheck:
+    """A cache/state pool compared only where the step wrote (spec validation.md §9)."""
+
+    output: str
+    mapping: str
+    block_size: int
+    atol: float
+    rtol: float
+    max_error_ratio: float = 0.005
+    pool_name: str = "pool"
+
+
+@dataclass(frozen=True)
+class RelDiffCheck:
+    """A floored relative-difference gate with a bad-point budget (validation.md §10)."""
+
+    output: str
+    diff_thd: float
+    pct_thd: float
+    max_diff_hd: float
+
+
+Check = Union[PoolCheck, RelDiffCheck]
+
+
+@dataclass
+class RankContext:
+    """What an implementation knows about the rank it runs on."""
+
+    case: Case
+    rank: int
+    device: torch.device
+    group: "ProcessGroup | None" = None  # None only when tp == 1 and no process group exists
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.case.model
+
+    @property
+    def tp(self) -> int:
+        return self.case.tp
+
+
+class Layer(abc.ABC):
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def validate(self, case: Case) -> None:
+        """Raise ConfigError for a case this layer cannot run (before any process starts)."""
+
+    @abc.abstractmethod
+    def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
+        """Every tensor of one rank in the spec's order (wo_a / wo_b as the rank's shard)."""
+
+    @abc.abstractmethod
+    def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s inputs and in-out initial values, built without the other ranks'."""
+
+    @abc.abstractmethod
+    def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unsharded `(wo_a [G, OL, GI], wo_b [D, G*OL])` the golden projects with."""
+
+    @abc.abstractmethod
+    def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The TP1 layer on one rank's tensors with full O weights; in-outs updated in place."""
+
+    @abc.abstractmethod
+    def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This project's TP implementation of the layer on one rank."""
+
+    @abc.abstractmethod
+    def checks(self, case: Case) -> tuple[Check, ...]:
+        """The comparators of every compared output, in the spec's validation order."""
+
+    # -- derived helpers ---------------------------------------------------------------------
+    def compared_names(self, case: Case) -> tuple[str, ...]:
+        return tuple(c.output for c in self.checks(case))
+
+    def names_of(self, case: Case, kind: Kind) -> tuple[str, ...]:
+        return tuple(n for n, s in self.tensor_specs(case).items() if s.kind is kind)

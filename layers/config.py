@@ -1,0 +1,202 @@
+"""Model presets and deployment constants of the DeepSeek-V4-Flash decode attention layers.
+
+Owns the frozen `ModelConfig` (spec components.md §1, swa.md §1, csa.md §1, hca.md §2): the
+attention-relevant model fields, the deployment/paging constants the fixtures size their
+pools with, the derived sizes (properties, never overridable) and the structural constraints
+that hold for every layer (checked in `__post_init__`). TP- and run-dependent checks (tp,
+local_t, start positions) live with the run description in `layers.case`.
+
+Importable without Hydra: the launcher registers these fields as its config schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, reported to the user as one line before anything runs."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    hidden_size: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    sliding_window: int = 128
+    rms_norm_eps: float = 1e-6
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    max_position_embeddings: int = 16384
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    original_max_position_embeddings: int = 65536
+    # Deployment and paging (config.py module constants of the reference).
+    decode_batch: int = 64
+    decode_seq: int = 8
+    decode_start_pos: int = 8192
+    block_size: int = 32
+    c4a_state_block_size: int = 2
+    c128_state_block_size: int = 8
+    kv_ori_block_num: int = 512
+    kv_cmp_block_num: int = 256
+    idx_cache_block_num: int = 256
+    hca_state_physical_blocks: int = 256
+    csa_state_physical_blocks: int = 260
+    csa_inner_state_physical_blocks: int = 260
+    # Context ceiling of the SWA and HCA layers (1 Mi tokens at HEAD; CSA uses
+    # max_position_embeddings).
+    long_context_max_seq_len: int = 1_048_576
+
+    # -- derived sizes -------------------------------------------------------------------
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @property
+    def index_nope_head_dim(self) -> int:
+        return self.index_head_dim - self.qk_rope_head_dim
+
+    @property
+    def index_weights_scale(self) -> float:
+        return self.index_head_dim**-0.5 * self.index_n_heads**-0.5
+
+    @property
+    def hc_dim(self) -> int:
+        return self.hc_mult * self.hidden_size
+
+    @property
+    def mix_hc(self) -> int:
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.o_groups
+
+    @property
+    def group_in(self) -> int:
+        """Input width of one output group: its heads' outputs side by side (GI)."""
+        return self.heads_per_group * self.head_dim
+
+    @property
+    def decode_tokens(self) -> int:
+        return self.decode_batch * self.decode_seq
+
+    def __post_init__(self) -> None:
+        rules = [
+            (self.hc_mult == 4, "hc_mult must be 4 (hc_pre mixes exactly four streams)"),
+            (self.hc_dim % 16 == 0, "hc_mult*hidden_size must be a multiple of 16 (hc_pre cube emulation)"),
+            (self.num_attention_heads % self.o_groups == 0, "num_attention_heads must be a multiple of o_groups"),
+            (0 < self.qk_rope_head_dim < self.head_dim, "qk_rope_head_dim must be in (0, head_dim)"),
+            (self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim must be even (interleaved rotary pairs)"),
+            (0 < self.sliding_window <= 128, "sliding_window must be in [1, 128] (one attention key tile)"),
+            (127 * 127 * self.o_lora_rank < 2**24, "o_lora_rank must be <= 1040 (exact int8 GEMM in fp32)"),
+            (self.index_head_dim > self.qk_rope_head_dim, "index_head_dim must exceed qk_rope_head_dim"),
+            (self.index_head_dim & (self.index_head_dim - 1) == 0, "index_head_dim must be a power of two (Hadamard)"),
+            (self.decode_seq >= 1, "decode_seq must be >= 1"),
+            (self.decode_batch >= 1, "decode_batch must be >= 1"),
+        ]
+        for ok, rule in rules:
+            if not ok:
+                raise ConfigError(f"model preset {self.name!r}: {rule}")
+
+    def fields(self) -> dict:
+        """Every field and its value (for manifests and reports)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+FLASH = ModelConfig(
+    name="flash",
+    hidden_size=4096,
+    num_attention_heads=64,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=1024,
+    o_lora_rank=1024,
+    o_groups=8,
+)
+
+# DEMO differs from FLASH in its RoPE fields: no YaRN at all (original_max_position_embeddings
+# = 0), a smaller table and compressed theta.
+DEMO = FLASH.replace(
+    name="demo",
+    max_position_embeddings=4096,
+    compress_rope_theta=40000.0,
+    rope_factor=40.0,
+    original_max_position_embeddings=0,
+)
+
+PRO = FLASH.replace(
+    name="pro",
+    hidden_size=7168,
+    num_attention_heads=128,
+    q_lora_rank=1536,
+    o_groups=16,
+    index_topk=1024,
+    max_position_embeddings=1_048_576,
+)
+
+# The reduced dims of the reference snapshots in shared/peer (everything else is FLASH's).
+SMALL = FLASH.replace(
+    name="small",
+    hidden_size=512,
+    num_attention_heads=16,
+    head_dim=128,
+    q_lora_rank=256,
+    o_lora_rank=256,
+    index_n_heads=16,
+    index_topk=128,
+)
+
+# A 2-core CPU preset that keeps every structural property of the three layers: eight output
+# groups of two heads (tp up to 8), the full 128-token window and 32-row pages, the ratio-4
+# and ratio-128 compressors with their state page sizes, the 8192 long-context start (block
+# tables wrap), int8 indexer heads, and a top-k smaller than the window so sparse attention
+# pads its key tiles.
+TINY = FLASH.replace(
+    name="tiny",
+    hidden_size=256,
+    num_attention_heads=16,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=128,
+    o_lora_rank=64,
+    o_groups=8,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=16,
+    decode_batch=16,
+)
+
+PRESETS: dict[str, ModelConfig] = {m.name: m for m in (FLASH, DEMO, PRO, SMALL, TINY)}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return ceil_div(a, b) * b
+
+
+__all__ = ["ConfigError", "ModelConfig", "PRESETS", "FLASH", "DEMO", "PRO", "SMALL", "TINY", "ceil_div", "round_up"]

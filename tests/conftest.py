@@ -1,0 +1,35 @@
+"""Shared test helpers: repo paths, the reference snapshots, and the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PEER = REPO.parent / "shared" / "peer"
+
+# The plugin is registered by the installed package's entry point; from a bare checkout
+# (nothing installed) load it here instead.
+if not any(ep.value == "launcher.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11")):
+    pytest_plugins = ["launcher.pytest_plugin"]
+
+
+def peer_snapshot(name: str) -> Path:
+    path = PEER / name
+    if not path.is_dir():
+        pytest.skip(f"reference snapshot {path} is absent (it ships in ../shared, not in a user's clone)")
+    return path
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m launcher ARGS` in a fresh interpreter, importing this checkout."""
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args, f"hydra.run.dir={cwd}/out"],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )

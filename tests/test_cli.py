@@ -1,0 +1,63 @@
+"""Bad input gets one clear line and exit status 2 before any rank is started."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from launcher.cli import EXIT_ERROR, preflight
+from layers.config import ConfigError
+
+from .conftest import run_cli
+
+
+def _preflight(*overrides: str):
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return preflight(cfg, "/nonexistent")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["tp=3", "model=tiny"], "tp=3 must divide o_groups=8"),
+        (["tp=16", "model=tiny"], "tp=16 must divide o_groups=8"),
+        (["tp=0", "model=tiny"], "tp=0 must be >= 1"),
+        (["tp=2", "model=tiny", "local_t=12"], "local_t=12 must be a multiple of 8"),
+        (["tp=2", "model=tiny", "local_t=72"], "in [8, 64]"),
+        (["tp=2", "model=tiny", "local_t=0"], "local_t=0"),
+        (["tp=2", "model=tiny", "start_pos=-1"], "must be non-negative"),
+        (["tp=2", "model=tiny", "start_pos=1048570"], "context ceiling 1048576"),
+        (["tp=2", "model=tiny", "start_pos=[1,2,3]"], "start_pos has 3 entries"),
+        (["tp=2", "model=tiny", "start_pos=abc"], "must be an integer"),
+        (["tp=2", "model=tiny", "backend=nccl"], "need 2 cuda devices but 0 are visible"),
+        (["tp=2", "model=tiny", "backend=foo"], "backend='foo' must be one of"),
+        (["tp=2", "model=tiny", "impl._target_=nowhere.Impl"], "impl._target_='nowhere.Impl' cannot be imported"),
+        (["tp=2", "model=tiny", "timeout_s=0"], "timeout_s=0"),
+        (["tp=2", "model=tiny", "model.num_attention_heads=12"], "num_attention_heads must be a multiple of o_groups"),
+    ],
+)
+def test_invalid_config_is_refused_before_launch(overrides, message):
+    with pytest.raises(ConfigError, match=None) as e:
+        _preflight(*overrides)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["layer=swq"], "Could not find 'layer/swq'"),
+        (["tpp=2"], "Could not override 'tpp'"),
+        (["model.hidden_size=abc"], "could not be converted to Integer"),
+        (["model=huge"], "Could not find 'model/huge'"),
+        (["tp=3", "model=tiny"], "tp=3 must divide o_groups=8"),
+    ],
+)
+def test_cli_prints_one_error_line_and_exits_2(tmp_path, args, message):
+    p = run_cli(args, tmp_path, timeout=120)
+    assert p.returncode == EXIT_ERROR, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "out" / "logs").exists()  # nothing was launched
