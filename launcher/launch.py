@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .schema import RunSpec
@@ -26,7 +26,10 @@ from .worker import rank_main
 # Imported by the forkserver once, so that each rank starts without re-importing torch.
 PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.worker", "layers.swa", "layers.csa", "layers.hca"]
 
-_STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)'")
+_STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
+# A rank whose collective broke because a peer died is a casualty, not the root cause.
+_CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|timed out|Timed out|"
+                       r"DistBackendError|NCCL communicator was aborted|heartbeat", re.IGNORECASE)
 
 
 @dataclass
@@ -71,22 +74,43 @@ def _rank_log_dir(log_root: str, run_id: str, local_rank: int) -> str | None:
     return sorted(hits)[-1] if hits else None
 
 
-def _failure(e: ChildFailedError, log_root: str, run_id: str) -> RankFailure:
-    rank, f = e.get_first_failure()
+def _describe(rank: int, f, log_root: str, run_id: str) -> tuple[tuple, RankFailure]:
     msg, tb = f.message, ""
     if isinstance(msg, dict):
         tb = msg.get("extraInfo", {}).get("py_callstack", "")
         msg = msg.get("message", "<no message>")
     m = _STAGE_NOTE.search(tb)
-    return RankFailure(
+    failure = RankFailure(
         rank=rank,
         stage=m.group(2) if m else None,
         message=str(msg),
         traceback=tb,
         exitcode=f.exitcode,
         log_dir=_rank_log_dir(log_root, run_id, f.local_rank),
-        other_ranks=sorted(r for r in e.failures if r != rank),
     )
+    # Root cause first: not a casualty of a peer, then the earliest (sub-second) failure time.
+    key = (bool(_CASUALTY.search(str(msg))), float(m.group(3)) if m else float(f.timestamp), rank)
+    return key, failure
+
+
+def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int) -> dict:
+    """The agent's failures plus every rank that left an error file before it was stopped."""
+    failures = dict(e.failures)
+    for local_rank in range(nproc):
+        rank = rank_base + local_rank
+        log_dir = _rank_log_dir(log_root, run_id, local_rank)
+        error_file = os.path.join(log_dir, "error.json") if log_dir else ""
+        if rank not in failures and os.path.isfile(error_file):
+            failures[rank] = ProcessFailure(local_rank=local_rank, pid=-1, exitcode=1, error_file=error_file)
+    return failures
+
+
+def _failure(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int = 0) -> RankFailure:
+    failures = _recorded_failures(e, log_root, run_id, nproc, rank_base)
+    ranked = sorted(_describe(r, f, log_root, run_id) for r, f in failures.items())
+    root = ranked[0][1]
+    root.other_ranks = sorted(f.rank for _, f in ranked[1:])
+    return root
 
 
 def launch(spec: RunSpec) -> LaunchOutcome:
@@ -95,9 +119,10 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     run_id = f"{spec.case.layer}-tp{spec.case.tp}-{uuid.uuid4().hex[:8]}"
     if spec.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The agent logs every worker failure itself; our report names the root cause instead.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
     except ChildFailedError as e:
-        return LaunchOutcome(result=None, failure=_failure(e, log_root, run_id), log_dir=log_root)
+        return LaunchOutcome(result=None, failure=_failure(e, log_root, run_id, spec.nproc_per_node), log_dir=log_root)
     return LaunchOutcome(result=results[0], failure=None, log_dir=log_root)

@@ -73,7 +73,7 @@ def render(result: dict) -> str:
         stage = f" in stage '{e['stage']}'" if e["stage"] else ""
         lines.append(f"ERROR: rank {e['rank']} failed{stage} (exit code {e['exitcode']}): {e['message']}")
         if e["traceback"]:
-            tail = [ln for ln in e["traceback"].rstrip().splitlines() if ln.strip()][-8:]
+            tail = [ln for ln in e["traceback"].rstrip().splitlines() if ln.strip() and " at t=" not in ln][-8:]
             lines += ["  " + ln for ln in tail]
         if e["other_ranks"]:
             lines.append(f"  ranks also stopped: {e['other_ranks']}")

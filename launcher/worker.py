@@ -3,8 +3,13 @@
 Runs in every process the elastic agent starts (or under an external torchrun, which sets the
 same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order:
 
-    fixture -> layer -> gather -> golden (rank 0) -> compare (rank 0)
+    fixture -> golden -> layer -> gather -> compare (rank 0)
 
+The golden of a rank's shard (the single-device layer on that rank's tensors with the full O
+weights, spec validation.md §5.3) is computed on that rank, in parallel with the others, from
+clones taken before the implementation runs, with the same thread count: the per-rank front of
+the layer is then bit-identical between golden and implementation, and only the output half
+differs by fp32 summation order. Rank 0 gathers actual and golden outputs and compares.
 Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return None.
 Any exception carries a note naming the rank and stage, and the elastic error file keeps its
 traceback for the launcher's failure report.
@@ -50,7 +55,7 @@ class _Stages:
         try:
             yield
         except BaseException as e:
-            e.add_note(f"rank {self.rank} failed in stage '{name}'")
+            e.add_note(f"rank {self.rank} failed in stage '{name}' at t={time.time():.6f}")
             raise
         self.seconds[name] = time.perf_counter() - t0
         log.info("stage %s done (%.2fs)", name, self.seconds[name])
@@ -97,25 +102,12 @@ def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int,
     return gathered
 
 
-def _golden_by_shard(spec: RunSpec, layer, compared: tuple[str, ...], mappings: set[str]):
-    """The golden of every rank's shard, one shard at a time (only its outputs are kept)."""
-    case = spec.case
-    wo_a, wo_b = layer.full_o_weights(case)
-    inout = set(layer.names_of(case, Kind.INOUT))
-    golden, inputs, initial = {n: [] for n in compared}, {n: [] for n in mappings}, {n: [] for n in compared if n in inout}
-    for r in range(case.tp):
-        tensors = layer.rank_inputs(case, r)
-        for n in initial:
-            initial[n].append(tensors[n].clone())
-        for n in mappings:
-            inputs[n].append(tensors[n])
-        tensors["wo_a"], tensors["wo_b"] = wo_a, wo_b
-        out = layer.golden(case.model, tensors)
-        for n in compared:
-            golden[n].append(out[n])
-        del tensors, out
-    stack = lambda d: {n: torch.stack(v) for n, v in d.items()}  # noqa: E731
-    return stack(golden), stack(inputs), stack(initial)
+def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dict[str, torch.Tensor]:
+    """The golden of this rank's shard: the TP1 layer on clones of its inputs, full O weights."""
+    tensors = {n: t.clone() for n, t in inputs.items()}
+    tensors["wo_a"], tensors["wo_b"] = wo_full
+    out = layer.golden(case.model, tensors)
+    return {n: out[n] for n in layer.compared_names(case)}
 
 
 def compare(spec: RunSpec, layer, actual: dict, golden: dict, inputs: dict, initial: dict) -> list[dict]:
@@ -146,10 +138,11 @@ def rank_main(spec: RunSpec):
     os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s))
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
-    try:
-        return _run(spec, rank, device)
-    finally:
-        dist.destroy_process_group()
+    result = _run(spec, rank, device)
+    # Not in a `finally`: a failing rank must record its error before its sockets close, or a
+    # peer that sees the closed connection could be reported first.
+    dist.destroy_process_group()
+    return result
 
 
 def _run(spec: RunSpec, rank: int, device: torch.device):
@@ -158,24 +151,29 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     stage = _Stages(rank)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
+    mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
+    inout = [n for n in compared if specs[n].kind is Kind.INOUT]
     with stage("fixture"):
-        tensors = {n: t.to(device) for n, t in layer.rank_inputs(case, rank).items()}
+        inputs = layer.rank_inputs(case, rank)
         impl = instantiate(spec.impl)
+    # Before the implementation runs, from clones: nothing it does can reach the reference.
+    with stage("golden"):
+        golden = golden_outputs(layer, case, inputs, layer.full_o_weights(case))
+        initial = {n: inputs[n].clone() for n in inout}
     with stage("layer"):
+        tensors = {n: t.to(device) for n, t in inputs.items()}
         outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with stage("gather"):
         actual = gather_to_rank0(outputs, compared, rank, case.tp, device)
         del tensors, outputs
+        expected = gather_to_rank0(golden, compared, rank, case.tp, device)
+        context = gather_to_rank0({**{n: inputs[n] for n in mappings}, **initial}, mappings + inout, rank, case.tp, device)
         timings = [None] * case.tp if rank == 0 else None
         dist.gather_object(stage.seconds, timings, dst=0)
     if rank != 0:
         return None
-    torch.set_num_threads(max(1, os.cpu_count() or 1))  # the other ranks are done: use every core
-    mappings = {c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)}
-    with stage("golden"):
-        golden, inputs, initial = _golden_by_shard(spec, layer, compared, mappings)
     with stage("compare"):
-        verdicts = compare(spec, layer, actual, golden, inputs, initial)
+        verdicts = compare(spec, layer, actual, expected, {n: context[n] for n in mappings}, {n: context[n] for n in inout})
     timings[0] = stage.seconds
     return {"passed": all(v["passed"] for v in verdicts), "verdicts": verdicts, "rank_seconds": timings}
