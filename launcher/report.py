@@ -15,7 +15,7 @@ import torch
 from .launch import LaunchOutcome
 from .schema import RunSpec
 
-STAGES = ("fixture", "layer", "gather", "golden", "compare")
+STAGES = ("fixture", "golden", "layer", "gather", "compare")
 
 
 def _case_dict(spec: RunSpec) -> dict:
