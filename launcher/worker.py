@@ -18,6 +18,7 @@ traceback for the launcher's failure report.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import time
@@ -41,23 +42,38 @@ class ImplContractError(RuntimeError):
     """The implementation under test returned something that breaks the layer's contract."""
 
 
-class _Stages:
-    """Times each stage and tags a failure with the rank and stage it happened in."""
+def progress_path(output_dir: str, rank: int) -> str:
+    """Where rank `rank` appends its stage events (JSON lines) for the launcher's progress display."""
+    return os.path.join(output_dir, "progress", f"rank{rank}.jsonl")
 
-    def __init__(self, rank: int):
+
+class _Stages:
+    """Times each stage, records its start/end as progress events, and tags a failure with the
+    rank and stage it happened in."""
+
+    def __init__(self, rank: int, output_dir: str):
         self.rank = rank
         self.seconds: dict[str, float] = {}
+        path = progress_path(output_dir, rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._events = open(path, "a", buffering=1)
+
+    def _event(self, name: str, event: str) -> None:
+        self._events.write(json.dumps({"rank": self.rank, "stage": name, "event": event, "t": time.time()}) + "\n")
 
     @contextmanager
     def __call__(self, name: str):
         t0 = time.perf_counter()
         log.info("stage %s ...", name)
+        self._event(name, "start")
         try:
             yield
         except BaseException as e:
+            self._event(name, "failed")
             e.add_note(f"rank {self.rank} failed in stage '{name}' at t={time.time():.6f}")
             raise
         self.seconds[name] = time.perf_counter() - t0
+        self._event(name, "done")
         log.info("stage %s done (%.2fs)", name, self.seconds[name])
 
 
@@ -148,7 +164,7 @@ def rank_main(spec: RunSpec):
 def _run(spec: RunSpec, rank: int, device: torch.device):
     case = spec.case
     layer = get_layer(case.layer)
-    stage = _Stages(rank)
+    stage = _Stages(rank, spec.output_dir)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
     mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
