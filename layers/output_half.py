@@ -1,0 +1,59 @@
+"""The grouped output projection of the attention layers: TP1 golden and per-rank shard.
+
+Owns the math of swa.md §3.7 (`golden_decode_o_proj_tp1`) and §5.4 (`decode_o_proj`, the
+projection of one rank's LG output groups over every token of the TP group): an fp32 GEMM
+with wo_a per group, per-(group, token) int8 activation quantization, an exact int8 GEMM
+with the group's wo_b columns, the dequantized groups summed in ascending order, and the
+per-output-channel wo_b_scale. Pure tensor math: the collectives around the sharded form
+live in `layers.tp`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .numerics import bf16, f32, int8_matmul, int8_quant_per_row
+
+
+def sharded_o_proj(
+    x_local_groups: torch.Tensor, wo_a_r: torch.Tensor, wo_b_r: torch.Tensor, wo_b_scale: torch.Tensor
+) -> torch.Tensor:
+    """One rank's fp32 partial of the output projection (swa.md §5.4).
+
+    x_local_groups [LG, U, GI] bf16 (U = P·t rows of the rank's groups), wo_a_r [LG, OL, GI]
+    bf16, wo_b_r [D, LG·OL] int8 (column block lg is the rank's lg-th group), wo_b_scale [D]
+    fp32 (the full weight's per-row scale, replicated — never re-derived per shard, P10).
+    Returns o_partial fp32 [U, D] = `(Σ_lg fp32(I_lg)·sdq[lg]) · wo_b_scale`; wo_b_scale is
+    applied here, per rank, before any cross-rank sum.
+    """
+    lg, u, _ = x_local_groups.shape
+    d = wo_b_r.shape[0]
+    ol = wo_a_r.shape[1]
+    # Y[lg, u, r] = Σ_i A·wo_a: bf16 operands widened, fp32 GEMM batched over groups (the
+    # golden's einsum contracts the same way).
+    y = torch.matmul(f32(x_local_groups), f32(wo_a_r).transpose(1, 2))  # [LG, U, OL]
+    # Per (group, token) quantization over the OL lora outputs: never across groups, which
+    # is what makes the projection shardable by group.
+    q, scale_dq = int8_quant_per_row(y)  # [LG, U, OL] int8, [LG, U, 1]
+    wb = wo_b_r.reshape(d, lg, ol).permute(1, 2, 0)  # [LG, OL, D]
+    i_groups = int8_matmul(q, wb)  # exact int32 values, as fp32 [LG, U, D]
+    acc = torch.zeros(u, d, dtype=torch.float32, device=x_local_groups.device)
+    # Ascending group order from 0.0: the golden's fp32 summation order.
+    for g in range(lg):
+        acc = acc + i_groups[g] * scale_dq[g]
+    return acc * f32(wo_b_scale)[None, :]
+
+
+def grouped_o_proj(
+    attention_grouped: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, wo_b_scale: torch.Tensor
+) -> torch.Tensor:
+    """TP1 grouped output projection (swa.md §3.7): attn_out bf16 [T, D].
+
+    attention_grouped [G, T, GI] bf16, wo_a [G, OL, GI] bf16, wo_b [D, G·OL] int8,
+    wo_b_scale [D] fp32. The G groups are summed in ascending order, then multiplied by
+    wo_b_scale once and rounded to bf16 — the one-rank case of `sharded_o_proj`.
+    """
+    return bf16(sharded_o_proj(attention_grouped, wo_a, wo_b, wo_b_scale))
+
+
+__all__ = ["sharded_o_proj", "grouped_o_proj"]
