@@ -6,6 +6,7 @@ Exit status: 0 when every compared tensor passed, 1 on a mismatch (FAIL), 2 on a
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -20,7 +21,7 @@ from omegaconf import DictConfig
 from layers.config import ConfigError
 from layers.registry import get_layer
 
-from . import devices, report
+from . import devices, report, snapshot
 from .launch import launch
 from .schema import RunSpec, register, run_spec
 
@@ -32,15 +33,32 @@ register()
 def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
     """Every check the config alone allows, before any process is started."""
     spec = run_spec(cfg, output_dir)
+    layer = get_layer(spec.case.layer)
+    if spec.golden_data:
+        spec = _with_snapshot_local_t(spec, cfg.local_t, layer)
     spec.case.validate()
-    get_layer(spec.case.layer).validate(spec.case)
+    layer.validate(spec.case)
+    if spec.golden_data:
+        snapshot.check(spec.golden_data, layer.tensor_specs(spec.case), spec.case.tp)
     backend = devices.resolve_backend(spec.backend)
     devices.check_devices(backend, spec.nproc_per_node)
     try:
         get_object(spec.impl["_target_"])
     except Exception as e:  # ImportError, AttributeError, ...: all mean "cannot find it"
-        raise ConfigError(f"impl._target_={spec.impl['_target_']!r} cannot be imported: {e}") from e
+        reason = " ".join(str(e).split())
+        raise ConfigError(f"impl._target_={spec.impl['_target_']!r} cannot be imported: {reason}") from e
     return spec
+
+
+def _with_snapshot_local_t(spec: RunSpec, requested, layer) -> RunSpec:
+    """A replayed snapshot fixes local_t (its in/local_t.pt); an explicit different one is refused."""
+    path = os.path.join(spec.golden_data, "in", "local_t.pt")
+    if not os.path.isfile(path):
+        return spec
+    local_t = int(snapshot.load_scalar(path))
+    if requested is not None and int(requested) != local_t:
+        raise ConfigError(f"local_t={requested} but the snapshot {path} holds local_t={local_t}")
+    return dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=local_t))
 
 
 def execute(cfg: DictConfig, output_dir: str) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from . import devices
 from .schema import RunSpec
 from .worker import rank_main
 
@@ -117,6 +118,7 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     log_root = os.path.join(spec.output_dir, "logs")
     os.makedirs(log_root, exist_ok=True)
     run_id = f"{spec.case.layer}-tp{spec.case.tp}-{uuid.uuid4().hex[:8]}"
+    devices.set_reproducible_cpu_env()  # inherited by the forkserver and every rank
     if spec.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
     # The agent logs every worker failure itself; our report names the root cause instead.

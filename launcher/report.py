@@ -15,7 +15,7 @@ import torch
 from .launch import LaunchOutcome
 from .schema import RunSpec
 
-STAGES = ("fixture", "golden", "layer", "gather", "compare")
+STAGES = ("fixture", "golden", "save", "layer", "gather", "compare")
 
 
 def _case_dict(spec: RunSpec) -> dict:
@@ -45,7 +45,15 @@ def build_result(spec: RunSpec, outcome: LaunchOutcome, *, wall_s: float) -> dic
         result.update(status="error", passed=False, error=dataclasses.asdict(outcome.failure))
         return result
     r = outcome.result
-    result.update(status="ok", passed=bool(r["passed"]), verdicts=r["verdicts"], rank_seconds=r["rank_seconds"])
+    # The primary reference is the snapshot when one is replayed, else the computed golden.
+    primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
+    result.update(
+        status="ok", passed=bool(r["passed"]), reference=primary, verdicts=r["comparisons"][primary],
+        rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
+        golden_data=spec.golden_data, save_data=spec.save_data,
+    )
+    if primary == "snapshot" and "golden" in r["comparisons"]:
+        result["recomputed_verdicts"] = r["comparisons"]["golden"]
     return result
 
 
@@ -83,21 +91,38 @@ def render(result: dict) -> str:
     secs = result["rank_seconds"]
     stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in STAGES if any(s in (r or {}) for r in secs)]
     lines.append("stages (s, slowest rank): " + " | ".join(stage_cells))
+    lines.append(_reference_line(result))
+    lines += _verdict_lines(result["verdicts"])
+    if "recomputed_verdicts" in result:
+        lines.append("against the golden recomputed from the snapshot's in/:")
+        lines += _verdict_lines(result["recomputed_verdicts"])
+    verdict = "PASS" if result["passed"] else "FAIL"
+    failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
+    lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
+    return "\n".join(lines)
+
+
+def _reference_line(result: dict) -> str:
+    if result.get("reference") == "snapshot":
+        return f"reference: snapshot {result['golden_data']}/out"
+    hits = result.get("golden_cache_hits", [])
+    cached = f" (from the golden cache on ranks {hits})" if hits else ""
+    return f"reference: golden{cached}" + (f"; snapshot saved to {result['save_data']}" if result.get("save_data") else "")
+
+
+def _verdict_lines(verdicts: list[dict]) -> list[str]:
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
-    for v in result["verdicts"]:
+    for v in verdicts:
         f = v.get("figures", {})
         rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(f), _fmt(f.get("max_abs_diff")), _fmt(f.get("worst")), v["label"]])
         for pr in v.get("per_rank", []):
             rows.append(["", str(pr["rank"]), "ok" if not pr.get("n_bad") else "bad", _bad(pr), _fmt(pr.get("max_abs_diff")), _fmt(pr.get("worst")), ""])
-    lines += _table(rows)
-    for v in result["verdicts"]:
+    lines = _table(rows)
+    for v in verdicts:
         if not v["passed"]:
             lines.append(f"{v['tensor']} FAIL ({v['label']})")
-            lines += [ln for ln in v["detail"].splitlines()]
-    verdict = "PASS" if result["passed"] else "FAIL"
-    failed = [v["tensor"] for v in result["verdicts"] if not v["passed"]]
-    lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
-    return "\n".join(lines)
+            lines += v["detail"].splitlines()
+    return lines
 
 
 def _bad(figures: dict) -> str:

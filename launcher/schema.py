@@ -48,6 +48,10 @@ class RunSchema:
     timeout_s: float = 300.0
     start_method: str = "forkserver"
     threads_per_rank: Optional[int] = None
+    golden_data: Optional[str] = None
+    save_data: Optional[str] = None
+    recompute_golden: bool = False
+    golden_cache: Optional[str] = None
 
 
 def register() -> None:
@@ -68,6 +72,10 @@ class RunSpec:
     start_method: str
     threads_per_rank: Optional[int]
     output_dir: str
+    golden_data: Optional[str] = None  # replay: inputs and reference outputs from this snapshot
+    save_data: Optional[str] = None  # write this run's inputs and golden outputs as a snapshot
+    recompute_golden: bool = False  # with golden_data: also compare against a recomputed golden
+    golden_cache: Optional[str] = None  # folder of cached goldens; None disables the cache
 
     @property
     def nproc_per_node(self) -> int:
@@ -115,7 +123,14 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
     if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
         raise ConfigError(f"threads_per_rank={cfg.threads_per_rank} must be >= 1")
-    impl = OmegaConf.to_container(cfg.impl, resolve=True) if cfg.impl is not None else {"_target_": DEFAULT_IMPL}
+    if cfg.recompute_golden and not cfg.golden_data:
+        raise ConfigError("recompute_golden=true needs golden_data=DIR (there is nothing else to recompute against)")
+    if cfg.impl is None:
+        impl = {"_target_": DEFAULT_IMPL}
+    elif isinstance(cfg.impl, str):  # the shorthand impl=package.module.Name
+        impl = {"_target_": cfg.impl}
+    else:
+        impl = OmegaConf.to_container(cfg.impl, resolve=True)
     if not isinstance(impl, dict) or "_target_" not in impl:
         raise ConfigError(f"impl={impl!r} must name a callable as impl._target_=package.module.Name")
     return RunSpec(
@@ -126,4 +141,12 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         start_method=str(cfg.start_method),
         threads_per_rank=cfg.threads_per_rank,
         output_dir=output_dir,
+        golden_data=_path(cfg.golden_data),
+        save_data=_path(cfg.save_data),
+        recompute_golden=bool(cfg.recompute_golden),
+        golden_cache=_path(cfg.golden_cache),
     )
+
+
+def _path(value: Optional[str]) -> Optional[str]:
+    return os.path.abspath(os.path.expanduser(str(value))) if value else None

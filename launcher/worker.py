@@ -3,13 +3,15 @@
 Runs in every process the elastic agent starts (or under an external torchrun, which sets the
 same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order:
 
-    fixture -> golden -> layer -> gather -> compare (rank 0)
+    fixture -> golden -> [save] -> layer -> gather -> compare (rank 0)
 
 The golden of a rank's shard (the single-device layer on that rank's tensors with the full O
 weights, spec validation.md §5.3) is computed on that rank, in parallel with the others, from
 clones taken before the implementation runs, with the same thread count: the per-rank front of
 the layer is then bit-identical between golden and implementation, and only the output half
 differs by fp32 summation order. Rank 0 gathers actual and golden outputs and compares.
+With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
+slice); `recompute_golden` adds the computed golden as a second reference.
 Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return None.
 Any exception carries a note naming the rank and stage, and the elastic error file keeps its
 traceback for the launcher's failure report.
@@ -31,8 +33,8 @@ from hydra.utils import instantiate
 from layers.base import Kind, PoolCheck, RankContext
 from layers.registry import get_layer
 
-from . import devices
-from .comparators import build_comparator
+from . import devices, golden_cache, snapshot
+from .comparators import build_comparator, initial_key
 from .schema import RunSpec
 
 log = logging.getLogger("launcher.worker")
@@ -126,17 +128,31 @@ def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dic
     return {n: out[n] for n in layer.compared_names(case)}
 
 
-def compare(spec: RunSpec, layer, actual: dict, golden: dict, inputs: dict, initial: dict) -> list[dict]:
+def cached_golden(spec: RunSpec, layer, inputs, rank: int) -> tuple[dict[str, torch.Tensor], bool]:
+    """The golden from the on-disk cache when its identity matches, else computed (and stored)."""
+    if spec.golden_data is not None:  # replay: the full O weights are the snapshot's shards
+        return golden_outputs(layer, spec.case, inputs, snapshot.full_o_weights(spec.golden_data)), False
+    if spec.golden_cache is None:
+        return golden_outputs(layer, spec.case, inputs, layer.full_o_weights(spec.case)), False
+    ident = golden_cache.identity(spec.case, rank, spec.threads())
+    hit = golden_cache.load(spec.golden_cache, ident)
+    if hit is not None:
+        return hit, True
+    outputs = golden_outputs(layer, spec.case, inputs, layer.full_o_weights(spec.case))
+    golden_cache.store(spec.golden_cache, ident, outputs)
+    return outputs, False
+
+
+def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> list[dict]:
+    """Every check of the layer, in its validation order, on the stacked [tp, ...] tensors."""
     case = spec.case
-    comparator_inputs = dict(inputs)
-    comparator_inputs.update({f"initial:{n}": v for n, v in initial.items()})
-    comparator_inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
+    inputs = dict(context)  # slot mappings and, under initial_key(name), the pre-step pools
+    inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
     verdicts = []
     for check in layer.checks(case):
         cmp = build_comparator(check, mapping_shape=(case.tp, case.local_t), leading_rank_axis=True)
         v = cmp.evaluate(
-            actual[check.output], golden[check.output], inputs=comparator_inputs,
-            actual_outputs=actual, expected_outputs=golden,
+            actual[check.output], golden[check.output], inputs=inputs, actual_outputs=actual, expected_outputs=golden
         )
         verdicts.append({"tensor": check.output, **v.to_dict()})
     return verdicts
@@ -146,6 +162,7 @@ def rank_main(spec: RunSpec):
     rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     _setup_logging(rank)
+    devices.set_reproducible_cpu_env()  # under an external torchrun nothing set it before
     case = spec.case
     if tp != case.tp:
         raise RuntimeError(f"WORLD_SIZE={tp} but the config asks for tp={case.tp}")
@@ -163,33 +180,62 @@ def rank_main(spec: RunSpec):
 
 def _run(spec: RunSpec, rank: int, device: torch.device):
     case = spec.case
+    tp = case.tp
     layer = get_layer(case.layer)
     stage = _Stages(rank, spec.output_dir)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
+    in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
     mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
     with stage("fixture"):
-        inputs = layer.rank_inputs(case, rank)
+        if spec.golden_data:
+            inputs = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs)
+        else:
+            inputs = layer.rank_inputs(case, rank)
         impl = instantiate(spec.impl)
-    # Before the implementation runs, from clones: nothing it does can reach the reference.
+    # Every reference is made before the implementation runs, from clones of the inputs:
+    # nothing the implementation does can reach it.
     with stage("golden"):
-        golden = golden_outputs(layer, case, inputs, layer.full_o_weights(case))
-        initial = {n: inputs[n].clone() for n in inout}
+        references, cache_hit = {}, False
+        if spec.golden_data:
+            references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
+        if not spec.golden_data or spec.recompute_golden:
+            references["golden"], cache_hit = cached_golden(spec, layer, inputs, rank)
+        context = {n: inputs[n].clone() for n in mappings}
+        context.update({initial_key(n): inputs[n].clone() for n in inout})
+    if spec.save_data:
+        with stage("save"):
+            stacked_in = gather_to_rank0(inputs, in_names, rank, tp, device)
+            stacked_out = gather_to_rank0(next(iter(references.values())), compared, rank, tp, device)
+            if rank == 0:
+                snapshot.save(spec.save_data, case, specs, stacked_in, stacked_out, _starts(stacked_in, case))
+            del stacked_in, stacked_out
     with stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
         outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with stage("gather"):
-        actual = gather_to_rank0(outputs, compared, rank, case.tp, device)
-        del tensors, outputs
-        expected = gather_to_rank0(golden, compared, rank, case.tp, device)
-        context = gather_to_rank0({**{n: inputs[n] for n in mappings}, **initial}, mappings + inout, rank, case.tp, device)
-        timings = [None] * case.tp if rank == 0 else None
-        dist.gather_object(stage.seconds, timings, dst=0)
+        actual = gather_to_rank0(outputs, compared, rank, tp, device)
+        del tensors, outputs, inputs
+        expected = {src: gather_to_rank0(ref, compared, rank, tp, device) for src, ref in references.items()}
+        context = gather_to_rank0(context, sorted(context), rank, tp, device)
+        stats = [None] * tp if rank == 0 else None
+        dist.gather_object({"seconds": stage.seconds, "golden_cache_hit": cache_hit}, stats, dst=0)
     if rank != 0:
         return None
     with stage("compare"):
-        verdicts = compare(spec, layer, actual, expected, {n: context[n] for n in mappings}, {n: context[n] for n in inout})
-    timings[0] = stage.seconds
-    return {"passed": all(v["passed"] for v in verdicts), "verdicts": verdicts, "rank_seconds": timings}
+        comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
+    stats[0]["seconds"] = stage.seconds
+    return {
+        "passed": all(v["passed"] for vs in comparisons.values() for v in vs),
+        "comparisons": comparisons,
+        "rank_seconds": [s["seconds"] for s in stats],
+        "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache_hit"]],
+    }
+
+
+def _starts(stacked_inputs: dict, case) -> list | None:
+    """Each rank's request start positions (the first position of every request)."""
+    pos = stacked_inputs.get("position_ids")
+    return pos.reshape(case.tp, -1)[:, :: case.seq].tolist() if pos is not None else None

@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from launcher.devices import set_reproducible_cpu_env
+
+# Before any GEMM of this process: goldens here must reproduce the reference snapshots bitwise.
+set_reproducible_cpu_env()
+
 REPO = Path(__file__).resolve().parents[1]
 PEER = REPO.parent / "shared" / "peer"
 

@@ -1,0 +1,194 @@
+"""Progress on long work: sweep jobs done/total and the stages of the run in flight.
+
+Owns the console side only; the events come from elsewhere. Each rank appends its stage
+events (`{rank, stage, event: start|done|failed, t}`, one JSON object a line) to
+`<output_dir>/progress/rank<r>.jsonl` (`launcher.worker.progress_path`); `StageWatcher` polls
+those files from a thread of the launcher process while the ranks run. The sweep callback
+(`launcher.sweep`) reports jobs as they start and end through the same `Display`.
+
+On a terminal the run in flight is one status line, rewritten in place; everywhere else
+(a pipe, a CI log, a file) every change is a plain line of its own, so the output has no
+control characters but the newline. Progress goes to stderr; stdout keeps the reports.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+POLL_S = 0.2
+# The stages a rank runs, in order (launcher.worker); a stage not listed sorts after them.
+STAGE_ORDER = ("fixture", "golden", "save", "layer", "gather", "compare")
+# Rank 0 alone compares (it holds the gathered tensors); every other stage runs on all ranks.
+ROOT_ONLY = frozenset({"compare"})
+_CLEAR_LINE = "\r\x1b[2K"
+
+
+class Display:
+    """Writes progress to a stream: a rewritten status line on a TTY, plain lines elsewhere."""
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None):
+        self._stream = stream
+        self._tty = tty
+        self._status_shown = False
+        self._lock = threading.Lock()
+
+    @property
+    def stream(self) -> TextIO:
+        return self._stream if self._stream is not None else sys.stderr
+
+    @property
+    def tty(self) -> bool:
+        if self._tty is not None:
+            return self._tty
+        isatty = getattr(self.stream, "isatty", None)
+        return bool(isatty and isatty())
+
+    def line(self, text: str) -> None:
+        """A line that stays (a job started or ended, a stage finished on every rank)."""
+        with self._lock:
+            if self._status_shown:
+                self.stream.write(_CLEAR_LINE)
+                self._status_shown = False
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def status(self, text: str) -> None:
+        """The state of the work in flight: rewritten in place on a TTY, dropped elsewhere
+        (the plain-line display reports the same changes through `line`)."""
+        if not self.tty:
+            return
+        with self._lock:
+            self.stream.write(_CLEAR_LINE + text)
+            self.stream.flush()
+            self._status_shown = True
+
+    def clear(self) -> None:
+        with self._lock:
+            if self._status_shown:
+                self.stream.write(_CLEAR_LINE)
+                self.stream.flush()
+                self._status_shown = False
+
+
+DISPLAY = Display()
+
+
+@dataclass
+class SweepCounter:
+    """Jobs of the multirun in flight (set by the sweep callback, read for the run's label)."""
+
+    total: int
+    done: int = 0
+    failed: int = 0
+    current: int | None = None  # the number of the job in flight, from 1
+
+    def prefix(self) -> str:
+        return f"[{self.current}/{self.total}] " if self.current is not None else ""
+
+
+SWEEP: SweepCounter | None = None
+
+
+@dataclass
+class _Stage:
+    started: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+    first_t: float | None = None
+    last_t: float | None = None
+
+
+def _stage_key(name: str) -> tuple[int, str]:
+    return (STAGE_ORDER.index(name) if name in STAGE_ORDER else len(STAGE_ORDER), name)
+
+
+class StageWatcher:
+    """Follows the ranks' stage events of one run while it runs (a context manager).
+
+    `expected_ranks` is the run's tp: a stage counts as finished when every rank that runs it
+    (rank 0 alone for `ROOT_ONLY` stages) reported it done.
+    """
+
+    def __init__(self, output_dir: str, expected_ranks: int, label: str, display: Display = DISPLAY,
+                 poll_s: float = POLL_S):
+        self.dir = os.path.join(output_dir, "progress")
+        self.ranks = expected_ranks
+        self.label = label
+        self.display = display
+        self.poll_s = poll_s
+        self.stages: dict[str, _Stage] = {}
+        self._offsets: dict[str, int] = {}
+        self._reported: set[tuple[str, str]] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = time.time()
+
+    def __enter__(self) -> StageWatcher:
+        self._t0 = time.time()
+        self._thread = threading.Thread(target=self._loop, name="stage-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.poll()  # events written just before the ranks exited
+        self.display.clear()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def _read_events(self) -> list[dict]:
+        events = []
+        for path in sorted(glob.glob(os.path.join(self.dir, "rank*.jsonl"))):
+            with open(path) as f:
+                f.seek(self._offsets.get(path, 0))
+                chunk = f.read()
+            # A line still being written has no newline yet: leave it for the next poll.
+            complete = chunk[: chunk.rfind("\n") + 1]
+            self._offsets[path] = self._offsets.get(path, 0) + len(complete.encode())
+            events += [json.loads(ln) for ln in complete.splitlines() if ln.strip()]
+        return events
+
+    def poll(self) -> None:
+        """Read new events, report what changed."""
+        for ev in self._read_events():
+            st = self.stages.setdefault(ev["stage"], _Stage())
+            rank, t = int(ev["rank"]), float(ev["t"])
+            {"start": st.started, "done": st.done, "failed": st.failed}[ev["event"]].add(rank)
+            st.first_t = t if st.first_t is None else min(st.first_t, t)
+            st.last_t = t if st.last_t is None else max(st.last_t, t)
+        for name in sorted(self.stages, key=_stage_key):
+            st = self.stages[name]
+            need = 1 if name in ROOT_ONLY else self.ranks
+            if len(st.done) >= need and (name, "done") not in self._reported:
+                self._reported.add((name, "done"))
+                span = (st.last_t or 0.0) - (st.first_t or 0.0)
+                self.display.line(f"{self._prefix()}{self.label}: {name} done on {len(st.done)}/{need} "
+                                  f"rank{'s' if need > 1 else ''} ({span:.2f}s)")
+            for rank in sorted(st.failed):
+                if (name, f"failed{rank}") not in self._reported:
+                    self._reported.add((name, f"failed{rank}"))
+                    self.display.line(f"{self._prefix()}{self.label}: rank {rank} failed in stage {name}")
+        self.display.status(self.status_text())
+
+    def _prefix(self) -> str:
+        return SWEEP.prefix() if SWEEP is not None else ""
+
+    def status_text(self) -> str:
+        cells = []
+        for name in sorted(self.stages, key=_stage_key):
+            st = self.stages[name]
+            need = 1 if name in ROOT_ONLY else self.ranks
+            mark = " FAILED" if st.failed else ""
+            cells.append(f"{name} {len(st.done)}/{need}{mark}")
+        return f"{self._prefix()}{self.label}  " + "  ".join(cells) + f"  {time.time() - self._t0:.1f}s"
