@@ -9,20 +9,22 @@ stage it failed in, its message, its traceback and its log folder.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import multiprocessing
 import os
 import re
+import signal
 import uuid
 from dataclasses import dataclass, field
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import devices
 from .schema import RunSpec
-from .worker import rank_main
+from .worker import progress_path, rank_main
 
 # Imported by the forkserver once, so that each rank starts without re-importing torch.
 PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.worker", "layers.swa", "layers.csa", "layers.hca"]
@@ -35,7 +37,7 @@ _CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
 
 @dataclass
 class RankFailure:
-    rank: int
+    rank: int | None  # None: no rank is to blame (the launcher was interrupted)
     stage: str | None
     message: str
     traceback: str
@@ -49,6 +51,7 @@ class LaunchOutcome:
     result: dict | None  # rank 0's return value when every rank succeeded
     failure: RankFailure | None
     log_dir: str
+    interrupted: int | None = None  # the signal that stopped the launcher (every rank was stopped)
 
 
 def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:
@@ -75,23 +78,44 @@ def _rank_log_dir(log_root: str, run_id: str, local_rank: int) -> str | None:
     return sorted(hits)[-1] if hits else None
 
 
-def _describe(rank: int, f, log_root: str, run_id: str) -> tuple[tuple, RankFailure]:
+def _stderr_tail(log_dir: str | None, lines: int = 30) -> str:
+    """The end of a rank's stderr; for a deadline's stack dump, the dump of the main thread
+    (innermost frame first), which is where the rank was stuck."""
+    try:
+        with open(os.path.join(log_dir, "stderr.log"), errors="replace") as f:
+            text = f.read()
+    except (OSError, TypeError):
+        return ""
+    marker = text.rfind("Timeout (")  # faulthandler.dump_traceback_later's header
+    if marker >= 0:
+        return DEADLINE_NOTE + "\n" + "\n".join(text[marker:].splitlines()[:lines])
+    return "\n".join(text.splitlines()[-lines:])
+
+
+DEADLINE_NOTE = "the rank outlived its deadline (2 x timeout_s) and dumped its stacks:"
+
+
+def _describe(rank: int, f, log_root: str, run_id: str, silent: dict) -> tuple[tuple, RankFailure]:
+    log_dir = _rank_log_dir(log_root, run_id, f.local_rank)
     msg, tb = f.message, ""
     if isinstance(msg, dict):
         tb = msg.get("extraInfo", {}).get("py_callstack", "")
         msg = msg.get("message", "<no message>")
-    m = _STAGE_NOTE.search(tb)
-    failure = RankFailure(
-        rank=rank,
-        stage=m.group(2) if m else None,
-        message=str(msg),
-        traceback=tb,
-        exitcode=f.exitcode,
-        log_dir=_rank_log_dir(log_root, run_id, f.local_rank),
-    )
+        m = _STAGE_NOTE.search(tb)
+        stage, t = (m.group(2), float(m.group(3))) if m else (None, float(f.timestamp))
+        casualty = bool(_CASUALTY.search(str(msg)))
+    else:
+        # No Python error report: the process exited on its own (os._exit, a deadline's stack
+        # dump) or was killed; its progress events say in which stage, its stderr says the rest.
+        stage, t = silent.get(rank, (None, float(f.timestamp)))
+        where = f" in stage '{stage}'" if stage else ""
+        tb = _stderr_tail(log_dir)
+        why = "it outlived its deadline" if tb.startswith(DEADLINE_NOTE) else "os._exit, a crash or a signal"
+        msg = f"rank {rank} exited with status {f.exitcode}{where} without a Python error report ({why})"
+        casualty = f.exitcode in (-15, -9) and rank not in silent  # stopped by the agent
+    failure = RankFailure(rank=rank, stage=stage, message=str(msg), traceback=tb, exitcode=f.exitcode, log_dir=log_dir)
     # Root cause first: not a casualty of a peer, then the earliest (sub-second) failure time.
-    key = (bool(_CASUALTY.search(str(msg))), float(m.group(3)) if m else float(f.timestamp), rank)
-    return key, failure
+    return (casualty, t, rank), failure
 
 
 def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int) -> dict:
@@ -106,9 +130,39 @@ def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: i
     return failures
 
 
-def _failure(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int = 0) -> RankFailure:
+def _unfinished_stages(output_dir: str, ranks) -> dict[int, tuple[str, float]]:
+    """Ranks whose last progress event is the start of a stage: they hung or died in it."""
+    open_stage = {}
+    for rank in ranks:
+        try:
+            with open(progress_path(output_dir, rank)) as f:
+                events = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            continue
+        if events and events[-1]["event"] == "start":
+            open_stage[rank] = (events[-1]["stage"], events[-1]["t"])
+    return open_stage
+
+
+def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0) -> RankFailure:
+    nproc = spec.nproc_per_node
     failures = _recorded_failures(e, log_root, run_id, nproc, rank_base)
-    ranked = sorted(_describe(r, f, log_root, run_id) for r, f in failures.items())
+    silent = _unfinished_stages(spec.output_dir, range(rank_base, rank_base + nproc))
+    ranked = sorted(_describe(r, f, log_root, run_id, silent) for r, f in failures.items())
+    casualties_only = all(key[0] for key, _ in ranked)
+    if casualties_only and silent:
+        # Every error report blames a peer: the root cause is a rank that stopped in a stage
+        # without one (it hung, or exited without a Python error).
+        rank = min(silent, key=lambda r: (silent[r][1], r))
+        stage = silent[rank][0]
+        log_dir = _rank_log_dir(log_root, run_id, rank - rank_base)
+        root = RankFailure(
+            rank=rank, stage=stage, exitcode=failures[rank].exitcode if rank in failures else -1,
+            message=f"rank {rank} stopped responding in stage '{stage}' (hung) while its peers timed out waiting for it",
+            traceback=_stderr_tail(log_dir), log_dir=log_dir,
+        )
+        root.other_ranks = sorted(f.rank for _, f in ranked if f.rank != rank)
+        return root
     root = ranked[0][1]
     root.other_ranks = sorted(f.rank for _, f in ranked[1:])
     return root
@@ -126,5 +180,12 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     try:
         results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
     except ChildFailedError as e:
-        return LaunchOutcome(result=None, failure=_failure(e, log_root, run_id, spec.nproc_per_node), log_dir=log_root)
+        return LaunchOutcome(result=None, failure=_failure(e, spec, log_root, run_id), log_dir=log_root)
+    except SignalException as e:  # Ctrl-C / SIGTERM: the agent has already stopped every rank
+        name = signal.Signals(e.sigval).name
+        failure = RankFailure(
+            rank=None, stage="interrupted", message=f"interrupted by {name}: every rank was stopped",
+            traceback="", exitcode=128 + int(e.sigval), log_dir=log_root,
+        )
+        return LaunchOutcome(result=None, failure=failure, log_dir=log_root, interrupted=int(e.sigval))
     return LaunchOutcome(result=results[0], failure=None, log_dir=log_root)

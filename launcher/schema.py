@@ -20,6 +20,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from layers.case import Case
 from layers.config import ConfigError, ModelConfig
 
+from .faults import Fault
+
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_IMPL = "layers.tp.TorchTP"
@@ -36,6 +38,18 @@ class LayerSchema:
 
 
 @dataclass
+class ReportSchema:
+    plots: bool = False  # PNG heat maps of where a failing tensor's errors are, next to result.json
+
+
+@dataclass
+class FaultSchema:
+    kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.faults)
+    rank: int = 0
+    stage: str = "layer"  # fixture | golden | layer | gather
+
+
+@dataclass
 class RunSchema:
     layer: LayerSchema = MISSING
     model: Any = MISSING
@@ -45,13 +59,16 @@ class RunSchema:
     start_pos: Any = None
     impl: Any = None
     backend: str = "auto"
-    timeout_s: float = 300.0
+    timeout_s: Optional[float] = None
     start_method: str = "forkserver"
     threads_per_rank: Optional[int] = None
+    fail_fast: bool = False  # in a multirun: skip every job after the first that did not pass
+    report: ReportSchema = field(default_factory=ReportSchema)
     golden_data: Optional[str] = None
     save_data: Optional[str] = None
     recompute_golden: bool = False
     golden_cache: Optional[str] = None
+    fault: FaultSchema = field(default_factory=FaultSchema)
 
 
 def register() -> None:
@@ -76,6 +93,12 @@ class RunSpec:
     save_data: Optional[str] = None  # write this run's inputs and golden outputs as a snapshot
     recompute_golden: bool = False  # with golden_data: also compare against a recomputed golden
     golden_cache: Optional[str] = None  # folder of cached goldens; None disables the cache
+    fault: Optional[Fault] = None
+
+    @property
+    def deadline_s(self) -> float:
+        """Wall-clock limit of one rank: a rank still running then dumps its stacks and exits."""
+        return 2 * self.timeout_s
 
     @property
     def nproc_per_node(self) -> int:
@@ -119,8 +142,13 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         raise ConfigError(f"backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
     if cfg.start_method not in START_METHODS:
         raise ConfigError(f"start_method={cfg.start_method!r} must be one of {', '.join(START_METHODS)}")
-    if cfg.timeout_s <= 0:
+    timeout_s = default_timeout_s(model) if cfg.timeout_s is None else float(cfg.timeout_s)
+    if timeout_s <= 0:
         raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
+    fault = None
+    if cfg.fault.kind is not None:
+        fault = Fault(kind=str(cfg.fault.kind), rank=int(cfg.fault.rank), stage=str(cfg.fault.stage))
+        fault.check(tp)
     if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
         raise ConfigError(f"threads_per_rank={cfg.threads_per_rank} must be >= 1")
     if cfg.recompute_golden and not cfg.golden_data:
@@ -137,7 +165,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         case=case,
         impl=impl,
         backend=str(cfg.backend),
-        timeout_s=float(cfg.timeout_s),
+        timeout_s=timeout_s,
         start_method=str(cfg.start_method),
         threads_per_rank=cfg.threads_per_rank,
         output_dir=output_dir,
@@ -145,7 +173,14 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         save_data=_path(cfg.save_data),
         recompute_golden=bool(cfg.recompute_golden),
         golden_cache=_path(cfg.golden_cache),
+        fault=fault,
     )
+
+
+def default_timeout_s(model: ModelConfig) -> float:
+    """Collective timeout when none is given: a hang at small dims ends in well under a minute,
+    while a flash-dims rank may legitimately wait on slower peers for a while."""
+    return 20.0 if model.hidden_size <= 1024 else 300.0
 
 
 def _path(value: Optional[str]) -> Optional[str]:

@@ -20,6 +20,7 @@ traceback for the launcher's failure report.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from hydra.utils import instantiate
 from layers.base import Kind, PoolCheck, RankContext
 from layers.registry import get_layer
 
-from . import devices, golden_cache, snapshot
+from . import devices, faults, golden_cache, snapshot
 from .comparators import build_comparator, initial_key
 from .schema import RunSpec
 
@@ -53,8 +54,9 @@ class _Stages:
     """Times each stage, records its start/end as progress events, and tags a failure with the
     rank and stage it happened in."""
 
-    def __init__(self, rank: int, output_dir: str):
+    def __init__(self, rank: int, output_dir: str, fault: faults.Fault | None = None):
         self.rank = rank
+        self.fault = fault
         self.seconds: dict[str, float] = {}
         path = progress_path(output_dir, rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -69,6 +71,7 @@ class _Stages:
         log.info("stage %s ...", name)
         self._event(name, "start")
         try:
+            faults.at_stage_start(self.fault, name, self.rank)
             yield
         except BaseException as e:
             self._event(name, "failed")
@@ -162,6 +165,9 @@ def rank_main(spec: RunSpec):
     rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     _setup_logging(rank)
+    # A rank that outlives its deadline (hung outside any collective) dumps every thread's
+    # stack into its stderr log and exits, so a run can never hang forever.
+    faulthandler.dump_traceback_later(spec.deadline_s, exit=True)
     devices.set_reproducible_cpu_env()  # under an external torchrun nothing set it before
     case = spec.case
     if tp != case.tp:
@@ -172,6 +178,7 @@ def rank_main(spec: RunSpec):
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
     result = _run(spec, rank, device)
+    faulthandler.cancel_dump_traceback_later()
     # Not in a `finally`: a failing rank must record its error before its sockets close, or a
     # peer that sees the closed connection could be reported first.
     dist.destroy_process_group()
@@ -182,7 +189,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     case = spec.case
     tp = case.tp
     layer = get_layer(case.layer)
-    stage = _Stages(rank, spec.output_dir)
+    stage = _Stages(rank, spec.output_dir, spec.fault)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
     in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
@@ -214,6 +221,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     with stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
         outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
+        faults.on_outputs(spec.fault, rank, outputs, case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with stage("gather"):
         actual = gather_to_rank0(outputs, compared, rank, tp, device)
