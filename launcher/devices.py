@@ -7,9 +7,12 @@ ASCEND_RT_VISIBLE_DEVICES) is honoured because the runtime itself applies it bef
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import importlib.util
 import os
+import socket
+import struct
 
 import torch
 
@@ -96,3 +99,32 @@ def setup_device(backend: str, local_rank: int) -> torch.device:
         torch.npu.matmul.allow_hf32 = False  # HF32 is the Ascend analogue of TF32
         return torch.device("npu", local_rank)
     return torch.device("cpu")
+
+
+def local_address_towards(addr: str) -> str:
+    """This host's address on the route to `addr` (a UDP connect sends no packet)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))
+        return s.getsockname()[0]
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds `ip` (Linux), so gloo binds the same interface."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Node 0 of a multi-node run binds the store at addr:port: refuse a port already taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            raise ConfigError(f"master_port={port} on {addr} cannot be bound ({e.strerror}); choose a free port") from e

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import devices
@@ -55,22 +56,33 @@ class LaunchOutcome:
 
 
 def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:
+    single = spec.nnodes == 1
     return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=spec.nproc_per_node,
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.local_ranks,
+        # Every node must derive the same run id: it names the rendezvous.
         run_id=run_id,
         role="rank",
         rdzv_backend="c10d",
-        # Port 0: the store binds a free loopback port, so concurrent runs never collide.
-        rdzv_endpoint="127.0.0.1:0",
-        rdzv_configs={"timeout": int(spec.timeout_s), "join_timeout": int(spec.timeout_s)},
-        local_addr="127.0.0.1",
+        # Single node: port 0 on loopback, the store picks a free port, so concurrent runs never
+        # collide. Multi-node: node 0 hosts the store where the user says.
+        rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
+        rdzv_configs={"is_host": spec.node_rank == 0, "timeout": int(spec.timeout_s), "join_timeout": int(spec.timeout_s)},
+        local_addr="127.0.0.1" if single else devices.local_address_towards(spec.master_addr),
         max_restarts=0,
         monitor_interval=0.05,
         start_method=spec.start_method,
         logs_specs=DefaultLogsSpecs(log_dir=log_root, redirects=Std.ALL, tee={0: Std.ALL}),
     )
+
+
+def run_id_of(spec: RunSpec) -> str:
+    """Unique per single-node run; for multi-node, the same on every node (from the shared config)."""
+    c = spec.case
+    if spec.nnodes == 1:
+        return f"{c.layer}-tp{c.tp}-{uuid.uuid4().hex[:8]}"
+    return f"{c.layer}-tp{c.tp}-{spec.master_addr.replace('.', '-')}-{spec.master_port}"
 
 
 def _rank_log_dir(log_root: str, run_id: str, local_rank: int) -> str | None:
@@ -120,7 +132,8 @@ def _describe(rank: int, f, log_root: str, run_id: str, silent: dict) -> tuple[t
 
 def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int) -> dict:
     """The agent's failures plus every rank that left an error file before it was stopped."""
-    failures = dict(e.failures)
+    # Key by our global rank (node-major, see worker.rank_main), not the agent's numbering.
+    failures = {rank_base + f.local_rank: f for f in e.failures.values()}
     for local_rank in range(nproc):
         rank = rank_base + local_rank
         log_dir = _rank_log_dir(log_root, run_id, local_rank)
@@ -145,7 +158,7 @@ def _unfinished_stages(output_dir: str, ranks) -> dict[int, tuple[str, float]]:
 
 
 def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0) -> RankFailure:
-    nproc = spec.nproc_per_node
+    nproc = spec.local_ranks
     failures = _recorded_failures(e, log_root, run_id, nproc, rank_base)
     silent = _unfinished_stages(spec.output_dir, range(rank_base, rank_base + nproc))
     ranked = sorted(_describe(r, f, log_root, run_id, silent) for r, f in failures.items())
@@ -158,20 +171,26 @@ def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, ran
         log_dir = _rank_log_dir(log_root, run_id, rank - rank_base)
         root = RankFailure(
             rank=rank, stage=stage, exitcode=failures[rank].exitcode if rank in failures else -1,
-            message=f"rank {rank} stopped responding in stage '{stage}' (hung) while its peers timed out waiting for it",
+            message=f"rank {rank} stopped in stage '{stage}' without an error report (it hung, exited or was killed); its peers lost it",
             traceback=_stderr_tail(log_dir), log_dir=log_dir,
         )
         root.other_ranks = sorted(f.rank for _, f in ranked if f.rank != rank)
         return root
     root = ranked[0][1]
     root.other_ranks = sorted(f.rank for _, f in ranked[1:])
+    if casualties_only and spec.nnodes > 1:
+        # This node's ranks only lost a peer: the cause is on another node.
+        per = spec.local_ranks
+        others = ", ".join(f"node {n} (ranks {n * per}-{n * per + per - 1})" for n in range(spec.nnodes) if n != spec.node_rank)
+        root.message = (f"a rank on another node failed or stopped during stage '{root.stage}': {others}; "
+                        f"see that node's report. This node's ranks saw: {root.message}")
     return root
 
 
 def launch(spec: RunSpec) -> LaunchOutcome:
     log_root = os.path.join(spec.output_dir, "logs")
     os.makedirs(log_root, exist_ok=True)
-    run_id = f"{spec.case.layer}-tp{spec.case.tp}-{uuid.uuid4().hex[:8]}"
+    run_id = run_id_of(spec)
     devices.set_reproducible_cpu_env()  # inherited by the forkserver and every rank
     if spec.start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)
@@ -180,7 +199,14 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     try:
         results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
     except ChildFailedError as e:
-        return LaunchOutcome(result=None, failure=_failure(e, spec, log_root, run_id), log_dir=log_root)
+        return LaunchOutcome(result=None, failure=_failure(e, spec, log_root, run_id, spec.rank_base), log_dir=log_root)
+    except RendezvousTimeoutError as e:
+        failure = RankFailure(
+            rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
+            message=(f"rendezvous at {spec.master_addr}:{spec.master_port} timed out after {spec.timeout_s:.0f} s: "
+                     f"not all {spec.nnodes} nodes joined" + (f" ({' '.join(str(e).split())})" if str(e).strip() else "")),
+        )
+        return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except SignalException as e:  # Ctrl-C / SIGTERM: the agent has already stopped every rank
         name = signal.Signals(e.sigval).name
         failure = RankFailure(
@@ -188,4 +214,8 @@ def launch(spec: RunSpec) -> LaunchOutcome:
             traceback="", exitcode=128 + int(e.sigval), log_dir=log_root,
         )
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root, interrupted=int(e.sigval))
-    return LaunchOutcome(result=results[0], failure=None, log_dir=log_root)
+    # The comparing rank (global rank 0) returns the full result; every other rank returns
+    # the verdict rank 0 broadcast, which is all a node without rank 0 reports.
+    results = [r for r in results.values() if r is not None]
+    full = [r for r in results if r.get("comparisons") is not None]
+    return LaunchOutcome(result=(full or results)[0], failure=None, log_dir=log_root)

@@ -69,6 +69,11 @@ class RunSchema:
     recompute_golden: bool = False
     golden_cache: Optional[str] = None
     fault: FaultSchema = field(default_factory=FaultSchema)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    nproc_per_node: Optional[int] = None
 
 
 def register() -> None:
@@ -94,21 +99,31 @@ class RunSpec:
     recompute_golden: bool = False  # with golden_data: also compare against a recomputed golden
     golden_cache: Optional[str] = None  # folder of cached goldens; None disables the cache
     fault: Optional[Fault] = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 (single node): the store binds a free port
+    nproc_per_node: int = 0  # ranks on this node; 0 means tp / nnodes
+
+    @property
+    def local_ranks(self) -> int:
+        return self.nproc_per_node or self.case.tp // self.nnodes
+
+    @property
+    def rank_base(self) -> int:
+        """Global rank of this node's first rank: node 0 holds rank 0, which compares."""
+        return self.node_rank * self.local_ranks
 
     @property
     def deadline_s(self) -> float:
         """Wall-clock limit of one rank: a rank still running then dumps its stacks and exits."""
         return 2 * self.timeout_s
 
-    @property
-    def nproc_per_node(self) -> int:
-        return self.case.tp
-
     def threads(self) -> int:
         """Per-rank intra-op threads: the node's cores shared by its ranks, never oversubscribed."""
         if self.threads_per_rank:
             return self.threads_per_rank
-        return max(1, (os.cpu_count() or 1) // self.nproc_per_node)
+        return max(1, (os.cpu_count() or 1) // self.local_ranks)
 
 
 def _start_pos(value: Any) -> int | tuple[int, ...] | None:
@@ -174,8 +189,27 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         recompute_golden=bool(cfg.recompute_golden),
         golden_cache=_path(cfg.golden_cache),
         fault=fault,
+        **_nodes(cfg, tp),
     )
 
+
+def _nodes(cfg: DictConfig, tp: int) -> dict:
+    nnodes, node_rank = int(cfg.nnodes), int(cfg.node_rank)
+    if nnodes < 1:
+        raise ConfigError(f"nnodes={nnodes} must be >= 1")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"node_rank={node_rank} must be in [0, {nnodes}) for nnodes={nnodes}")
+    nproc = int(cfg.nproc_per_node) if cfg.nproc_per_node is not None else (tp // nnodes if tp % nnodes == 0 else 0)
+    if nproc < 1 or nproc * nnodes != tp:
+        raise ConfigError(
+            f"nproc_per_node={cfg.nproc_per_node if cfg.nproc_per_node is not None else 'tp/nnodes'} x nnodes={nnodes} "
+            f"must equal tp={tp} (one rank per device on every node)"
+        )
+    port = cfg.master_port if cfg.master_port is not None else (0 if nnodes == 1 else 29500)
+    if not 0 <= int(port) < 65536 or (nnodes > 1 and int(port) == 0):
+        raise ConfigError(f"master_port={port} must be a TCP port in [1, 65535] for a multi-node run")
+    return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": str(cfg.master_addr),
+            "master_port": int(port), "nproc_per_node": nproc}
 
 def default_timeout_s(model: ModelConfig) -> float:
     """Collective timeout when none is given: a hang at small dims ends in well under a minute,

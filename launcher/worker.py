@@ -24,6 +24,7 @@ import faulthandler
 import json
 import logging
 import os
+import socket
 import time
 from contextlib import contextmanager
 
@@ -162,8 +163,16 @@ def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> 
 
 
 def rank_main(spec: RunSpec):
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    if spec.nnodes > 1:
+        # The rendezvous orders nodes by address and pid, not by node_rank; we number the ranks
+        # node-major ourselves so that rank 0, which compares, is on node 0 as the user said.
+        os.environ["RANK"] = str(spec.rank_base + local_rank)
+        if spec.backend in ("gloo", "auto") and "GLOO_SOCKET_IFNAME" not in os.environ:
+            ifname = devices.interface_of(devices.local_address_towards(spec.master_addr))
+            if ifname:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname  # the interface that reaches node 0
     rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     _setup_logging(rank)
     # A rank that outlives its deadline (hung outside any collective) dumps every thread's
     # stack into its stderr log and exits, so a run can never hang forever.
@@ -177,12 +186,43 @@ def rank_main(spec: RunSpec):
     os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s))
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    check_nodes_agree(spec, rank)
     result = _run(spec, rank, device)
     faulthandler.cancel_dump_traceback_later()
     # Not in a `finally`: a failing rank must record its error before its sockets close, or a
     # peer that sees the closed connection could be reported first.
     dist.destroy_process_group()
     return result
+
+
+class ConfigMismatch(RuntimeError):
+    """The nodes of one run were started with different configs."""
+
+
+def fingerprint(spec: RunSpec) -> dict:
+    """What every node of a run must agree on."""
+    c = spec.case
+    return {
+        "layer": c.layer, "model": c.model.fields(), "tp": c.tp, "local_t": c.local_t, "seed": c.seed,
+        "start_pos": c.start_pos, "impl": spec.impl, "nnodes": spec.nnodes, "tool_version": snapshot.tool_version(),
+    }
+
+
+def check_nodes_agree(spec: RunSpec, rank: int) -> None:
+    """At rendezvous: refuse, on every rank, a run whose nodes disagree on the config."""
+    mine = {"node": spec.node_rank, "host": socket.gethostname(), "config": fingerprint(spec)}
+    everyone = [None] * spec.case.tp
+    dist.all_gather_object(everyone, mine)
+    ref = everyone[0]
+    for other in everyone[1:]:
+        diff = [k for k in ref["config"] if ref["config"][k] != other["config"][k]]
+        if diff:
+            k = diff[0]
+            show = (lambda v: {f: x for f, x in v.items() if ref["config"][k].get(f) != other["config"][k].get(f)}) if k == "model" else (lambda v: v)
+            raise ConfigMismatch(
+                f"nodes disagree on {', '.join(diff)}: node {ref['node']} ({ref['host']}) has {k}={show(ref['config'][k])}, "
+                f"node {other['node']} ({other['host']}) has {k}={show(other['config'][k])}"
+            )
 
 
 def _run(spec: RunSpec, rank: int, device: torch.device):
@@ -230,13 +270,18 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         context = gather_to_rank0(context, sorted(context), rank, tp, device)
         stats = [None] * tp if rank == 0 else None
         dist.gather_object({"seconds": stage.seconds, "golden_cache_hit": cache_hit}, stats, dst=0)
+    comparisons = None
+    if rank == 0:
+        with stage("compare"):
+            comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
+    # Every rank learns the verdict, so every node exits with rank 0's verdict code.
+    verdict = [all(v["passed"] for vs in comparisons.values() for v in vs) if rank == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
     if rank != 0:
-        return None
-    with stage("compare"):
-        comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
+        return {"passed": verdict[0], "comparisons": None}
     stats[0]["seconds"] = stage.seconds
     return {
-        "passed": all(v["passed"] for vs in comparisons.values() for v in vs),
+        "passed": verdict[0],
         "comparisons": comparisons,
         "rank_seconds": [s["seconds"] for s in stats],
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache_hit"]],
