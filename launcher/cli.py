@@ -2,6 +2,9 @@
 
 Exit status: 0 when every compared tensor passed, 1 on a mismatch (FAIL), 2 on any error
 (invalid config, a crashed or hung rank, an implementation that broke the contract).
+A multirun (`-m`) runs its jobs one after another, each with its own ranks; no job's failure
+or crash stops the others (unless fail_fast=true) and the exit status is the worst job's.
+Every job leaves `<output_dir>/result.json`, whatever its outcome.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -17,17 +21,19 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from layers.config import ConfigError
 from layers.registry import get_layer
 
-from . import devices, report, snapshot
+from . import devices, progress, report, snapshot, sweep
 from .launch import launch
 from .schema import RunSpec, register, run_spec
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 register()
+sweep.register_resolvers()
 
 
 def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
@@ -41,7 +47,9 @@ def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
     if spec.golden_data:
         snapshot.check(spec.golden_data, layer.tensor_specs(spec.case), spec.case.tp)
     backend = devices.resolve_backend(spec.backend)
-    devices.check_devices(backend, spec.nproc_per_node)
+    devices.check_devices(backend, spec.local_ranks)
+    if spec.nnodes > 1 and spec.node_rank == 0:
+        devices.check_port_free(spec.master_addr, spec.master_port)
     try:
         get_object(spec.impl["_target_"])
     except Exception as e:  # ImportError, AttributeError, ...: all mean "cannot find it"
@@ -61,25 +69,53 @@ def _with_snapshot_local_t(spec: RunSpec, requested, layer) -> RunSpec:
     return dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=local_t))
 
 
-def execute(cfg: DictConfig, output_dir: str) -> int:
-    t0 = time.perf_counter()
-    try:
-        spec = preflight(cfg, output_dir)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    outcome = launch(spec)
-    result = report.build_result(spec, outcome, wall_s=time.perf_counter() - t0)
+def _write_result(output_dir: str, result: dict) -> None:
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
+
+
+def execute(cfg: DictConfig, output_dir: str) -> int:
+    """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
+    that one job cannot take a sweep's other jobs down."""
+    t0 = time.perf_counter()
+    try:
+        return _execute(cfg, output_dir, t0)
+    except Exception as e:  # anything at all: the job is reported and the sweep goes on
+        result = report.launcher_error(report.config_case(cfg), e, wall_s=time.perf_counter() - t0)
+        _write_result(output_dir, result)
+        print(report.render(result))
+        return EXIT_ERROR
+
+
+def _execute(cfg: DictConfig, output_dir: str, t0: float) -> int:
+    try:
+        spec = preflight(cfg, output_dir)
+    except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
+        message = " ".join(str(e).split())
+        print(f"error: {message}", file=sys.stderr)
+        _write_result(output_dir, report.not_launched(report.config_case(cfg), "config-error", message,
+                                                      wall_s=time.perf_counter() - t0, stage="config"))
+        return EXIT_ERROR
+    # The ranks append to their progress files: a folder reused from an earlier run starts empty.
+    shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
+    c = spec.case
+    label = f"{c.layer} {c.model.name} tp={c.tp} local_t={c.local_t}"
+    with progress.StageWatcher(output_dir, spec.local_ranks, label):
+        outcome = launch(spec)
+    result = report.build_result(spec, outcome, wall_s=time.perf_counter() - t0)
+    if cfg.report.plots:
+        result["plots"] = report.write_plots(result, output_dir)
+    _write_result(output_dir, result)
     print(report.render(result))
+    if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
+        raise SystemExit(128 + outcome.interrupted)
     if result["status"] == "error":
         return EXIT_ERROR
     return EXIT_PASS if result["passed"] else EXIT_FAIL
 
 
-_exit_code = EXIT_ERROR
+_exit_codes: list[int] = []  # of the jobs run in this process (one, or a multirun's)
 _compose_stderr: io.StringIO | None = None
 
 
@@ -94,10 +130,16 @@ def _end_composition() -> None:
 
 @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> int:
-    global _exit_code
     _end_composition()
-    _exit_code = execute(cfg, HydraConfig.get().runtime.output_dir)
-    return _exit_code
+    output_dir = HydraConfig.get().runtime.output_dir
+    if cfg.fail_fast and any(_exit_codes):
+        # Not counted in the exit status: the job that did not pass already decides it.
+        message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
+        _write_result(output_dir, report.not_launched(report.config_case(cfg), "skipped", message, wall_s=0.0))
+        return EXIT_ERROR
+    code = execute(cfg, output_dir)
+    _exit_codes.append(code)
+    return code
 
 
 def one_line(hydra_message: str) -> str:
@@ -129,4 +171,4 @@ def main() -> None:
         print(f"error: {one_line(text)}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
     _end_composition()
-    sys.exit(_exit_code)
+    sys.exit(max(_exit_codes, default=EXIT_ERROR))

@@ -40,13 +40,15 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().to(torch.float32)
 
 
-def _grid(name: str, rows: str, cols: str, labels: Sequence, bad: torch.Tensor, numel: torch.Tensor,
+def _grid(name: str, cols: str, cell: str, labels: Sequence, bad: torch.Tensor, numel: torch.Tensor,
           diff: torch.Tensor) -> dict[str, Any]:
-    """One map: `bad`, `numel`, `max_abs_diff` as [P][n] lists (P ranks, n columns)."""
+    """One map: `bad`, `numel`, `max_abs_diff` as [P][n] lists (P ranks, n columns of `cols`,
+    `cell` saying what one column holds)."""
     return {
         "name": name,
-        "rows": rows,
+        "rows": "rank",
         "cols": cols,
+        "cell": cell,
         "col_labels": [str(c) for c in labels],
         "bad": bad.to(torch.int64).tolist(),
         "numel": numel.to(torch.int64).tolist(),
@@ -72,7 +74,7 @@ def _reldiff_maps(name: str, check: RelDiffCheck, a: torch.Tensor, e: torch.Tens
     blocks = t // row_block
     per_block = bad.reshape(p, blocks, -1)
     maps = [_grid(
-        "rank x token block", "rank", f"{axes[0]} block ({row_block} rows)",
+        "rank x token block", "token block", f"{row_block} tokens",
         [f"{i * row_block}-{(i + 1) * row_block - 1}" for i in range(blocks)],
         per_block.sum(dim=2), torch.full((p, blocks), per_block.shape[2]),
         diff.reshape(p, blocks, -1).amax(dim=2),
@@ -81,7 +83,7 @@ def _reldiff_maps(name: str, check: RelDiffCheck, a: torch.Tensor, e: torch.Tens
         if a.shape[axis] > 1:
             label = axes[axis - 1] if axis - 1 < len(axes) else f"axis{axis}"
             g_bad, g_n, g_diff = _axis_grid(bad, diff, axis)
-            maps.append(_grid(f"rank x {label}", "rank", label, range(a.shape[axis]), g_bad, g_n, g_diff))
+            maps.append(_grid(f"rank x {label}", label, "", range(a.shape[axis]), g_bad, g_n, g_diff))
     return maps
 
 
@@ -103,7 +105,7 @@ def _pool_maps(check: PoolCheck, a: torch.Tensor, e: torch.Tensor, mapping: torc
     bad_full, diff_full = bad.reshape(shape), diff.reshape(shape)
     per_block = bad.reshape(p, nb, -1)
     maps = [_grid(
-        "rank x physical block", "rank", f"physical block ({bs} rows)", range(nb),
+        "rank x physical block", "physical block", f"{bs} pool rows", range(nb),
         per_block.sum(dim=2), torch.full((p, nb), per_block.shape[2]), diff.reshape(p, nb, -1).amax(dim=2),
     )]
     axes = _POOL_AXES.get(a.dim() - 1, ())
@@ -111,7 +113,7 @@ def _pool_maps(check: PoolCheck, a: torch.Tensor, e: torch.Tensor, mapping: torc
         if a.shape[axis] > 1:
             label = axes[axis - 1] if axis - 1 < len(axes) else f"axis{axis}"
             g_bad, g_n, g_diff = _axis_grid(bad_full, diff_full, axis)
-            maps.append(_grid(f"rank x {label}", "rank", label, range(a.shape[axis]), g_bad, g_n, g_diff))
+            maps.append(_grid(f"rank x {label}", label, "", range(a.shape[axis]), g_bad, g_n, g_diff))
     return maps
 
 
@@ -160,24 +162,24 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
 
-def png_bytes(bad: Sequence[Sequence[int]], cell: int | None = None) -> bytes:
-    """An RGB PNG of the grid: one band of `cell`-pixel squares per rank, a 1-pixel gap between
-    ranks. `cell` defaults to what keeps the image near 1000 pixels wide (2 to 24 pixels)."""
+def png_bytes(bad: Sequence[Sequence[int]], cell: int | None = None, band: int = 24) -> bytes:
+    """An RGB PNG of the grid: one `band`-pixel-high row of cells per rank (top: rank 0), a
+    2-pixel gap between ranks; `cell` (pixels per column) defaults to what keeps the image near
+    1000 pixels wide, from 2 to 24."""
     n_rows, n_cols = len(bad), len(bad[0])
-    cell = cell or max(2, min(24, 1000 // n_cols))
+    cell = cell or max(2, min(band, 1000 // n_cols))
     colours = cell_colours(bad)
     width = n_cols * cell
     lines = []
     for r, row in enumerate(colours):
-        band = b"".join(bytes(c) * cell for c in row)
-        lines += [band] * cell
+        lines += [b"".join(bytes(c) * cell for c in row)] * band
         if r != n_rows - 1:
-            lines.append(bytes(_RANK_GAP) * width)
-    raw = b"".join(b"\x00" + ln for ln in lines)  # filter type 0 on every scanline
-    header = struct.pack(">IIBBBBB", width, len(lines), 8, 2, 0, 0, 0)  # 8-bit RGB
+            lines += [bytes(_RANK_GAP) * width] * 2
+    raw = b"".join(b"\x00" + ln for ln in lines)  # filter type 0 (none) on every scanline
+    header = struct.pack(">IIBBBBB", width, len(lines), 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b"")
 
 
-def write_png(path: str, bad: Sequence[Sequence[int]], cell: int | None = None) -> None:
+def write_png(path: str, bad: Sequence[Sequence[int]]) -> None:
     with open(path, "wb") as f:
-        f.write(png_bytes(bad, cell))
+        f.write(png_bytes(bad))

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import re
 import signal
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -139,8 +140,20 @@ def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: i
         log_dir = _rank_log_dir(log_root, run_id, local_rank)
         error_file = os.path.join(log_dir, "error.json") if log_dir else ""
         if rank not in failures and os.path.isfile(error_file):
-            failures[rank] = ProcessFailure(local_rank=local_rank, pid=-1, exitcode=1, error_file=error_file)
+            failure = _read_error_file(local_rank, error_file)
+            if failure is not None:
+                failures[rank] = failure
     return failures
+
+
+def _read_error_file(local_rank: int, error_file: str, tries: int = 20) -> ProcessFailure | None:
+    """A stopped rank may still be writing its error file: retry briefly, then do without it."""
+    for _ in range(tries):
+        try:
+            return ProcessFailure(local_rank=local_rank, pid=-1, exitcode=1, error_file=error_file)
+        except ValueError:  # half-written JSON
+            time.sleep(0.05)
+    return None
 
 
 def _unfinished_stages(output_dir: str, ranks) -> dict[int, tuple[str, float]]:

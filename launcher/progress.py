@@ -65,7 +65,9 @@ class Display:
         if not self.tty:
             return
         with self._lock:
-            self.stream.write(_CLEAR_LINE + text)
+            # The cursor goes back to column 0: a line someone else writes (rank 0's teed log)
+            # then starts at the left margin instead of after the status text.
+            self.stream.write(_CLEAR_LINE + text + "\r")
             self.stream.flush()
             self._status_shown = True
 

@@ -22,7 +22,7 @@ import pytest
 @dataclass
 class TPRunResult:
     exit_code: int
-    result: dict | None  # the run's result.json (None when the config was refused)
+    result: dict | None  # the run's result.json (status "config-error" when the config was refused)
     report: str
     output_dir: str
 

@@ -3,15 +3,27 @@
 A result is `status` ("ok" or "error"), `passed`, the case, per-tensor verdicts with pooled
 and per-rank figures, per-rank stage times, and on error the root-cause rank, stage, message,
 traceback and log folder. Rendering never needs anything but that dict.
+
+A run that never reached the ranks still leaves a result, so that every job of a sweep has
+one: status "config-error" (refused by the preflight), "skipped" (a sweep with fail_fast after
+a failed job) or "error" with stage "launcher" (the launcher process itself raised).
+
+Where the errors are: a failing verdict may carry `where`, the grids of `launcher.heatmap`
+(bad points per rank x token block / hc copy / physical block); they render as text under
+the verdict's detail and, with `report.plots=true`, as PNG heat maps next to result.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
+import re
+import traceback
 
 import torch
 
+from . import heatmap
 from .launch import LaunchOutcome
 from .schema import RunSpec
 
@@ -45,6 +57,10 @@ def build_result(spec: RunSpec, outcome: LaunchOutcome, *, wall_s: float) -> dic
         result.update(status="error", passed=False, error=dataclasses.asdict(outcome.failure))
         return result
     r = outcome.result
+    result["node_rank"] = spec.node_rank
+    if r["comparisons"] is None:  # a node without rank 0: the verdict rank 0 broadcast
+        result.update(status="ok", passed=bool(r["passed"]), verdicts=[], compared_on_node=0)
+        return result
     # The primary reference is the snapshot when one is replayed, else the computed golden.
     primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
     result.update(
@@ -79,14 +95,25 @@ def render(result: dict) -> str:
     if result["status"] == "error":
         e = result["error"]
         stage = f" in stage '{e['stage']}'" if e["stage"] else ""
-        lines.append(f"ERROR: rank {e['rank']} failed{stage} (exit code {e['exitcode']}): {e['message']}")
+        if e["rank"] is None:  # no rank ran: the launcher process itself failed
+            lines.append(f"ERROR: the launcher failed{stage}: {e['message']}")
+        else:
+            lines.append(f"ERROR: rank {e['rank']} failed{stage} (exit code {e['exitcode']}): {e['message']}")
         if e["traceback"]:
-            tail = [ln for ln in e["traceback"].rstrip().splitlines() if ln.strip() and " at t=" not in ln][-8:]
+            tb = [ln for ln in e["traceback"].rstrip().splitlines() if ln.strip() and " at t=" not in ln]
+            # A stack dump starts with the innermost frame; a Python traceback ends with it.
+            tail = tb[:10] if "most recent call first" in e["traceback"] else tb[-8:]
             lines += ["  " + ln for ln in tail]
         if e["other_ranks"]:
             lines.append(f"  ranks also stopped: {e['other_ranks']}")
-        lines.append(f"  log: {e['log_dir'] or result['log_dir']}")
+        if e["log_dir"] or result.get("log_dir"):
+            lines.append(f"  log: {e['log_dir'] or result['log_dir']}")
         lines.append(f"VERDICT: ERROR ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
+    if "compared_on_node" in result:
+        verdict = "PASS" if result["passed"] else "FAIL"
+        lines.append(f"node {result['node_rank']}: rank 0 on node 0 compared; its verdict: {verdict}")
+        lines.append(f"VERDICT: {verdict} ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     secs = result["rank_seconds"]
     stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in STAGES if any(s in (r or {}) for r in secs)]
@@ -122,6 +149,7 @@ def _verdict_lines(verdicts: list[dict]) -> list[str]:
         if not v["passed"]:
             lines.append(f"{v['tensor']} FAIL ({v['label']})")
             lines += v["detail"].splitlines()
+            lines += where_lines(v)
     return lines
 
 
@@ -129,3 +157,114 @@ def _bad(figures: dict) -> str:
     if "n_bad" not in figures:
         return "-"
     return f"{figures['n_bad']}/{figures.get('numel', '?')}"
+
+
+# -- results of runs that never reached the ranks ----------------------------------------------
+
+
+def config_case(cfg) -> dict:
+    """The case as the config states it, for a run refused before a RunSpec exists.
+
+    Each key separately: one value that cannot be read (a bad interpolation) must not hide
+    the others.
+    """
+
+    def get(read):
+        try:
+            v = read()
+        except Exception:  # any unreadable value: the preflight message says why
+            return None
+        return list(v) if hasattr(v, "__len__") and not isinstance(v, str) else v
+
+    return {
+        "layer": get(lambda: cfg.layer.name),
+        "model": get(lambda: cfg.model.name),
+        "tp": get(lambda: cfg.tp),
+        "local_t": get(lambda: cfg.local_t),
+        "seed": get(lambda: cfg.seed),
+        "start_pos": get(lambda: cfg.start_pos),
+        "backend": get(lambda: cfg.backend),
+        "impl": get(lambda: cfg.impl["_target_"]),
+    }
+
+
+def not_launched(case: dict, status: str, message: str, *, wall_s: float, stage: str | None = None,
+                 trace: str = "") -> dict:
+    """The result of a run that started no rank (status config-error, skipped or error)."""
+    return {
+        "case": case,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "wall_s": round(wall_s, 3),
+        "status": status,
+        "passed": False,
+        "error": {"rank": None, "stage": stage, "message": message, "traceback": trace, "exitcode": None,
+                  "log_dir": None, "other_ranks": []},
+    }
+
+
+def launcher_error(case: dict, exc: BaseException, *, wall_s: float) -> dict:
+    """The result of a run whose launcher process raised (a bug or a broken environment)."""
+    trace = "".join(traceback.format_exception(exc))
+    return not_launched(case, "error", f"{type(exc).__name__}: {exc}", wall_s=wall_s, stage="launcher", trace=trace)
+
+
+# -- where the errors are ----------------------------------------------------------------------
+
+GRID_MAX_COLS = 16  # wider grids list their cells with bad points instead of drawing every cell
+LIST_MAX_CELLS = 12  # such cells listed per rank
+
+
+def where_lines(verdict: dict) -> list[str]:
+    """A failing verdict's grids as text: per rank, where its bad points are."""
+    lines = []
+    for g in verdict.get("where") or []:
+        total = sum(map(sum, g["bad"]))
+        if not total:
+            continue
+        each = f" ({g['cell']} each)" if g["cell"] else ""
+        lines.append(f"  where: {verdict['tensor']}: {total} bad points per rank and {g['cols']}{each}")
+        if len(g["col_labels"]) <= GRID_MAX_COLS:
+            rows = [[g["cols"], *g["col_labels"]]]
+            rows += [[f"rank {r}", *(str(v) if v else "." for v in row)] for r, row in enumerate(g["bad"])]
+            lines += ["    " + ln for ln in _table(rows)]
+        else:
+            for r, row in enumerate(g["bad"]):
+                cells = [(c, v) for c, v in enumerate(row) if v]
+                if not cells:
+                    lines.append(f"    rank {r}: none")
+                    continue
+                shown = ", ".join(f"{g['col_labels'][c]}: {v}" for c, v in cells[:LIST_MAX_CELLS])
+                more = f", ... {len(cells) - LIST_MAX_CELLS} more" if len(cells) > LIST_MAX_CELLS else ""
+                lines.append(f"    rank {r}: {sum(row)} in {len(cells)} of {len(row)} {g['cols']}s ({shown}{more})")
+        r, c = max(((r, c) for r in range(len(g["bad"])) for c in range(len(g["bad"][r]))),
+                   key=lambda rc: (g["bad"][rc[0]][rc[1]], g["max_abs_diff"][rc[0]][rc[1]]))
+        lines.append(f"    worst: rank {r}, {g['cols']} {g['col_labels'][c]}: "
+                     f"{g['bad'][r][c]}/{g['numel'][r][c]} bad, max|diff| {_fmt(g['max_abs_diff'][r][c])}")
+    return lines
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
+
+
+def write_plots(result: dict, output_dir: str) -> list[str]:
+    """A PNG heat map of every grid with bad points of every failing verdict; the paths written.
+
+    Rows are ranks (top: rank 0), columns the grid's columns; grey cells have no bad point,
+    the others go from light yellow to dark red with the square root of their share of the
+    worst cell's count.
+    """
+    paths = []
+    tagged = [("", v) for v in result.get("verdicts", [])]
+    tagged += [("recomputed_", v) for v in result.get("recomputed_verdicts", [])]
+    for tag, v in tagged:
+        if v["passed"]:
+            continue
+        for g in v.get("where") or []:
+            if not any(map(any, g["bad"])):
+                continue
+            path = os.path.join(output_dir, f"heatmap_{tag}{_slug(v['tensor'])}_{_slug(g['name'])}.png")
+            heatmap.write_png(path, g["bad"])
+            paths.append(path)
+    return paths

@@ -194,6 +194,8 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
 
 
 def _nodes(cfg: DictConfig, tp: int) -> dict:
+    if tp < 1:
+        raise ConfigError(f"tp={tp} must be >= 1")
     nnodes, node_rank = int(cfg.nnodes), int(cfg.node_rank)
     if nnodes < 1:
         raise ConfigError(f"nnodes={nnodes} must be >= 1")

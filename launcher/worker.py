@@ -35,7 +35,7 @@ from hydra.utils import instantiate
 from layers.base import Kind, PoolCheck, RankContext
 from layers.registry import get_layer
 
-from . import devices, faults, golden_cache, snapshot
+from . import devices, faults, golden_cache, heatmap, snapshot
 from .comparators import build_comparator, initial_key
 from .schema import RunSpec
 
@@ -158,7 +158,12 @@ def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> 
         v = cmp.evaluate(
             actual[check.output], golden[check.output], inputs=inputs, actual_outputs=actual, expected_outputs=golden
         )
-        verdicts.append({"tensor": check.output, **v.to_dict()})
+        verdict = {"tensor": check.output, **v.to_dict()}
+        if not v.passed:  # where the errors are: per rank x row block / head group / page
+            verdict["where"] = heatmap.error_maps(
+                check.output, check, actual[check.output], golden[check.output], inputs, seq=case.seq
+            )
+        verdicts.append(verdict)
     return verdicts
 
 

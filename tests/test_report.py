@@ -1,0 +1,191 @@
+"""The per-run report: where a failing tensor's errors are (grids, text, PNG heat maps).
+
+The grids are checked against loop-by-loop restatements of the gates (validation.md §8.2 for
+pools, §10.2 for ratio_reldiff) written here, the PNG by decoding it with zlib alone.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+
+import pytest
+import torch
+
+from launcher import heatmap, report
+from layers.base import PoolCheck, RelDiffCheck
+
+from . import defects
+
+RELDIFF = RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1.0)
+POOL = PoolCheck("kv_cache", mapping="slot_mapping", block_size=4, atol=1e-4, rtol=1 / 128)
+
+
+def _naive_reldiff_bad(a: float, e: float, thd: float) -> bool:
+    if not (abs(a) < float("inf") and abs(e) < float("inf")):  # NaN or Inf on either side
+        return True
+    diff = abs(a - e)
+    floor = (1.0 / (1 << 14)) / thd
+    rdiff = diff if diff < thd else diff / (max(abs(a), abs(e), floor) + 1e-9)
+    return rdiff > thd
+
+
+def test_x_out_grids_count_what_the_gate_counts():
+    g = torch.Generator().manual_seed(0)
+    p, t, hc, d = 2, 32, 4, 16
+    e = torch.rand(p, t, hc, d, generator=g) * 2 - 1
+    a = e.clone()
+    a[1, 8:16] *= 1.5  # rank 1, the second request: bad everywhere it is not tiny
+    a[0, 3, 2, 5] += 0.1  # one point of rank 0, token block 0, hc 2
+    a[0, 20, 1, 0] = float("nan")
+    a[1, 30, 3, 7] += 1e-5  # inside the tolerance
+    maps = heatmap.error_maps("x_out", RELDIFF, a, e, {}, seq=8)
+    blocks, hcs = maps[0], maps[1]
+    assert (blocks["name"], hcs["name"]) == ("rank x token block", "rank x hc")
+    assert blocks["col_labels"] == ["0-7", "8-15", "16-23", "24-31"]
+    want_blocks = [[0] * 4 for _ in range(p)]
+    want_hc = [[0] * hc for _ in range(p)]
+    for r in range(p):
+        for tok in range(t):
+            for h in range(hc):
+                for c in range(d):
+                    if _naive_reldiff_bad(float(a[r, tok, h, c]), float(e[r, tok, h, c]), RELDIFF.diff_thd):
+                        want_blocks[r][tok // 8] += 1
+                        want_hc[r][h] += 1
+    assert blocks["bad"] == want_blocks
+    assert hcs["bad"] == want_hc
+    assert blocks["numel"] == [[8 * hc * d] * 4] * p
+    assert want_blocks[1][1] > 0 and want_blocks[0][0] == 1 and want_blocks[0][2] == 1
+    assert blocks["max_abs_diff"][0][0] == pytest.approx(0.1, rel=1e-4)
+    assert blocks["max_abs_diff"][0][2] == 0.0  # the NaN point is bad but has no finite diff
+
+
+def test_token_blocks_span_whole_requests_and_tiles():
+    a = torch.zeros(1, 48, 4, 2)
+    maps = heatmap.error_maps("x_out", RELDIFF, a, a.clone(), {}, seq=12)  # lcm(12, 8) = 24
+    assert maps[0]["col_labels"] == ["0-23", "24-47"]
+
+
+def test_pool_grid_counts_mapped_misses_and_stray_writes_per_physical_block():
+    g = torch.Generator().manual_seed(1)
+    p, nb, bs, heads, w = 2, 4, 4, 3, 5
+    e = torch.rand(p, nb, bs, heads, w, generator=g)
+    a = e.clone()
+    mapping = torch.tensor([[0, 5, 6, 13, -1, -1], [2, 3, 9, 15, 14, -1]])
+    a[0, 1, 1, 2, :] += 0.5  # row 5 of rank 0 (mapped), head 2: out of tolerance
+    a[0, 2, 3, 0, 1] += 0.5  # row 11 of rank 0 (not mapped): a stray write
+    a[1, 0, 2, 1, 0] += 1e-6  # row 2 of rank 1 (mapped): inside the tolerance
+    a[1, 3, 3, :, :] = float("nan")  # row 15 of rank 1 (mapped): non-finite
+    maps = heatmap.error_maps("kv_cache", POOL, a, e, {"slot_mapping": mapping})
+    blocks, head_map = maps
+    assert (blocks["name"], head_map["name"]) == ("rank x physical block", "rank x head")
+    want_blocks = [[0] * nb for _ in range(p)]
+    want_heads = [[0] * heads for _ in range(p)]
+    for r in range(p):
+        mapped = {int(s) for s in mapping[r] if s >= 0}
+        for row in range(nb * bs):
+            blk, intra = divmod(row, bs)
+            for h in range(heads):
+                for c in range(w):
+                    x, y = float(a[r, blk, intra, h, c]), float(e[r, blk, intra, h, c])
+                    if row in mapped:
+                        finite = abs(x) < float("inf") and abs(y) < float("inf")
+                        bad = not finite or abs(x - y) > POOL.atol + POOL.rtol * abs(y)
+                    else:
+                        bad = x != y
+                    if bad:
+                        want_blocks[r][blk] += 1
+                        want_heads[r][h] += 1
+    assert blocks["bad"] == want_blocks
+    assert head_map["bad"] == want_heads
+    assert want_blocks == [[0, w, 1, 0], [0, 0, 0, heads * w]]
+
+
+def test_a_shape_mismatch_has_no_grid():
+    assert heatmap.error_maps("x_out", RELDIFF, torch.zeros(2, 8, 4, 4), torch.zeros(2, 8, 4, 5), {}) == []
+
+
+def _decode_png(data: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos: pos + 4])
+        kind, body = data[pos + 4: pos + 8], data[pos + 8: pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length: pos + 12 + length])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
+        chunks[kind] = chunks.get(kind, b"") + body
+        pos += 12 + length
+    assert b"IEND" in chunks
+    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
+    assert (depth, colour, interlace) == (8, 2, 0)
+    raw = zlib.decompress(chunks[b"IDAT"])
+    stride = 1 + 3 * width
+    assert len(raw) == stride * height
+    pixels = []
+    for y in range(height):
+        line = raw[y * stride: (y + 1) * stride]
+        assert line[0] == 0
+        pixels.append([tuple(line[1 + 3 * x: 4 + 3 * x]) for x in range(width)])
+    return width, height, pixels
+
+
+def test_png_is_a_valid_heat_map_of_the_grid(tmp_path):
+    bad = [[0, 3, 0], [12, 0, 1]]
+    path = tmp_path / "h.png"
+    heatmap.write_png(str(path), bad)
+    width, height, px = _decode_png(path.read_bytes())
+    cell = 24
+    assert (width, height) == (3 * cell, 2 * 24 + 2)  # two 24-pixel bands, a 2-pixel gap
+    centre = lambda r, c: px[r * (24 + 2) + 12][c * cell + cell // 2]  # noqa: E731
+    grey = centre(0, 0)
+    assert grey == centre(0, 2) == centre(1, 1)
+    assert len({grey, centre(0, 1), centre(1, 0), centre(1, 2)}) == 4
+    assert sum(centre(1, 0)) < sum(centre(0, 1)) < sum(centre(1, 2))  # more bad points, darker
+    assert px[24][0] == (255, 255, 255)  # the gap between the ranks
+
+
+def _failing_result() -> dict:
+    a = torch.zeros(2, 16, 4, 8)
+    e = a.clone()
+    a[1, 0:8] = 1.0
+    where = heatmap.error_maps("x_out", RELDIFF, a, e, {}, seq=8)
+    verdicts = [
+        {"tensor": "kv_cache", "passed": True, "label": "pool", "detail": "", "figures": {}, "per_rank": []},
+        {"tensor": "x_out", "passed": False, "label": "ratio_reldiff(...)", "detail": "    ratio_reldiff fail",
+         "figures": {"n_bad": 256, "numel": 1024}, "per_rank": [], "where": where},
+    ]
+    return {"case": {"layer": "swa", "model": "tiny", "tp": 2, "local_t": 16, "seed": 1, "start_pos": None,
+                     "backend": "gloo", "impl": "x"},
+            "status": "ok", "passed": False, "wall_s": 1.0, "rank_seconds": [{"fixture": 0.1}, {"fixture": 0.1}],
+            "verdicts": verdicts}
+
+
+def test_render_says_where_the_bad_points_are():
+    text = report.render(_failing_result())
+    lines = text.splitlines()
+    head = next(i for i, ln in enumerate(lines) if "where: x_out: 256 bad points per rank and token block" in ln)
+    assert lines[head + 1].split() == ["token", "block", "0-7", "8-15"]
+    assert lines[head + 2].split() == ["rank", "0", ".", "."]
+    assert lines[head + 3].split() == ["rank", "1", "256", "."]
+    assert "worst: rank 1, token block 0-7: 256/256 bad" in text
+
+
+def test_plots_only_for_failing_tensors(tmp_path):
+    paths = report.write_plots(_failing_result(), str(tmp_path))
+    assert sorted(os.path.basename(p) for p in paths) == ["heatmap_x_out_rank_x_hc.png",
+                                                          "heatmap_x_out_rank_x_token_block.png"]
+    _decode_png(open(paths[0], "rb").read())
+
+
+def test_a_defective_rank_is_located_end_to_end(tp_run):
+    """Real ranks: rank 1 perturbs its first request (tokens 0-7), so exactly that cell is bad."""
+    run = tp_run(layer="swa", tp=2, model="tiny", impl=defects.PerturbRankTokens, overrides=["report.plots=true"])
+    assert run.exit_code == 1, run
+    blocks = next(g for g in run.verdict("x_out")["where"] if g["name"] == "rank x token block")
+    assert blocks["bad"][0] == [0] * 8
+    assert blocks["bad"][1][0] > 0 and blocks["bad"][1][1:] == [0] * 7
+    assert "where: x_out" in run.report
+    png = os.path.join(run.output_dir, "heatmap_x_out_rank_x_token_block.png")
+    assert run.result["plots"] and png in run.result["plots"]
+    _decode_png(open(png, "rb").read())
