@@ -1,0 +1,23 @@
+"""The installed package (not the checkout) runs from any folder: configs ship inside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+
+def test_installed_package_runs_outside_the_source_tree(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([sys.executable, "-c", "import launcher, configs; print(launcher.__file__); print(configs.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    if where.returncode != 0:
+        pytest.skip("the package is not installed in this environment (only the checkout is importable)")
+    assert all(str(REPO) not in line for line in where.stdout.splitlines()), where.stdout
+    p = subprocess.run([sys.executable, "-m", "launcher", "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
+                        f"hydra.run.dir={tmp_path}/out"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "VERDICT: PASS" in p.stdout, p.stdout + p.stderr
