@@ -2,7 +2,8 @@
 
 Owns the math of swa.md §3.7 (`golden_decode_o_proj_tp1`) and §5.4 (`decode_o_proj`, the
 projection of one rank's LG output groups over every token of the TP group): an fp32 GEMM
-with wo_a per group, per-(group, token) int8 activation quantization, an exact int8 GEMM
+with wo_a per group (K accumulated in blocks of `WO_A_K_BLOCK`, the reference's order),
+per-(group, token) int8 activation quantization, an exact int8 GEMM
 with the group's wo_b columns, the dequantized groups summed in ascending order, and the
 per-output-channel wo_b_scale. Pure tensor math: the collectives around the sharded form
 live in `layers.tp`.
@@ -13,6 +14,9 @@ from __future__ import annotations
 import torch
 
 from .numerics import bf16, f32, int8_matmul, int8_quant_per_row
+
+# K block of the fp32 wo_a GEMM (see `sharded_o_proj`).
+WO_A_K_BLOCK = 128
 
 
 def sharded_o_proj(
@@ -26,12 +30,21 @@ def sharded_o_proj(
     Returns o_partial fp32 [U, D] = `(Σ_lg fp32(I_lg)·sdq[lg]) · wo_b_scale`; wo_b_scale is
     applied here, per rank, before any cross-rank sum.
     """
-    lg, u, _ = x_local_groups.shape
+    lg, u, gi = x_local_groups.shape
     d = wo_b_r.shape[0]
     ol = wo_a_r.shape[1]
-    # Y[lg, u, r] = Σ_i A·wo_a: bf16 operands widened, fp32 GEMM batched over groups (the
-    # golden's einsum contracts the same way).
-    y = torch.matmul(f32(x_local_groups), f32(wo_a_r).transpose(1, 2))  # [LG, U, OL]
+    a, w = f32(x_local_groups), f32(wo_a_r)
+    # Y[lg, u, r] = Σ_i A·wo_a: bf16 operands widened, fp32 GEMMs batched over groups, K in
+    # blocks of WO_A_K_BLOCK whose partials are added in ascending order (a loop over a few
+    # K blocks: the order is the point). The blocking is for bit parity with the reference:
+    # its golden einsum, as run for the snapshots, sums K that way. Measured at GI = 256
+    # (swa/csa-tp2-64 both ranks, hca-tp2-64 rank 1): two 128-wide blocks reproduce x_out
+    # bit for bit; one 256-wide GEMM flips int8 codes / amax ulps of a few tokens.
+    y = None
+    for k0 in range(0, gi, WO_A_K_BLOCK):
+        k = slice(k0, k0 + WO_A_K_BLOCK)
+        part = torch.matmul(a[..., k], w[..., k].transpose(1, 2))  # [LG, U, OL]
+        y = part if y is None else y + part
     # Per (group, token) quantization over the OL lora outputs: never across groups, which
     # is what makes the projection shardable by group.
     q, scale_dq = int8_quant_per_row(y)  # [LG, U, OL] int8, [LG, U, 1]
@@ -56,4 +69,4 @@ def grouped_o_proj(
     return bf16(sharded_o_proj(attention_grouped, wo_a, wo_b, wo_b_scale))
 
 
-__all__ = ["sharded_o_proj", "grouped_o_proj"]
+__all__ = ["WO_A_K_BLOCK", "sharded_o_proj", "grouped_o_proj"]

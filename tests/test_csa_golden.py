@@ -99,11 +99,6 @@ def test_golden_x_out_is_within_bf16_flips_of_the_snapshot(snapshot, goldens, ra
     assert diff.max() < 2e-3 and tokens <= 8, (float(diff.max()), tokens)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the shared o-projection's fp32 wo_a GEMM (K = 256) sums in one pass, the reference in two "
-    "K blocks of 128 (layers.output_half)",
-)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_golden_x_out_reproduces_the_snapshot_bitwise(snapshot, goldens, rank):
     _, out = snapshot

@@ -85,12 +85,13 @@ def test_golden_x_out_is_within_rounding_of_the_snapshot(replayed, rank):
     assert diff < 1e-3 and bad_tokens <= 8, (diff, bad_tokens)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the shared o-projection's fp32 wo_a GEMM (K = 256) sums in another order than the "
-    "reference's, which accumulates K in two blocks of 128; one further token of rank 0 differs",
+@pytest.mark.parametrize(
+    "rank",
+    [
+        pytest.param(0, marks=pytest.mark.xfail(strict=True, reason="token 7 (position 8199) of rank 0 differs; under investigation")),
+        1,
+    ],
 )
-@pytest.mark.parametrize("rank", [0, 1])
 def test_golden_x_out_reproduces_the_snapshot_bitwise(replayed, rank):
     same, diff, bad_tokens = replayed[f"{rank}/x_out"]
     assert same, f"rank {rank} x_out: max |diff| {diff:.3g} on {bad_tokens} tokens"
