@@ -90,3 +90,75 @@ class CacheWriteWrongSlot(_Patched):
             original(kv_cache, shifted, kv)
 
         return write_cache_rows
+
+
+def _shift(slots: torch.Tensor) -> torch.Tensor:
+    return torch.where(slots >= 0, slots + 1, slots)
+
+
+class CsaMissedCommit(_Patched):
+    """The CSA main compressor never commits its compressed rows into cmp_kv."""
+
+    target = "layers.csa_compressor.commit_cmp_rows"
+
+    def replacement(self, ctx, original):
+        return lambda cmp_kv, slots, rows: None
+
+
+class CsaStateWrongSlot(_Patched):
+    """The CSA compressors write their state one row after the state slot mapping's."""
+
+    target = "layers.csa_compressor.write_state"
+
+    def replacement(self, ctx, original):
+        return lambda state_rows, slots, kv, score: original(state_rows, _shift(slots), kv, score)
+
+
+class CsaSentinelOverwritten(_Patched):
+    """Besides its own rows, the CSA state write zeroes the pool's last row (a never-used,
+    -inf sentinel row)."""
+
+    target = "layers.csa_compressor.write_state"
+
+    def replacement(self, ctx, original):
+        def write_state(state_rows, slots, kv, score):
+            original(state_rows, slots, kv, score)
+            state_rows[-1] = 0.0
+
+        return write_state
+
+
+class CsaTopkOffByOne(_Patched):
+    """The indexer's top-k returns every selected slot shifted by one."""
+
+    target = "layers.indexer.select_topk"
+
+    def replacement(self, ctx, original):
+        return lambda score, visible, k: _shift(original(score, visible, k))
+
+
+class HcaMissedCommit(_Patched):
+    """The HCA compressor never commits its compressed rows into cmp_kv."""
+
+    target = "layers.hca_compressor.commit"
+
+    def replacement(self, ctx, original):
+        return lambda cmp_kv, cmp_slots, y: None
+
+
+class HcaPoolsWrongRows(_Patched):
+    """The HCA compressor pools the state rows one position late."""
+
+    target = "layers.hca_compressor.window_state_rows"
+
+    def replacement(self, ctx, original):
+        return lambda table, request, pool_pos, block_size: original(table, request, pool_pos + 1, block_size)
+
+
+class HcaWrongRopePosition(_Patched):
+    """The HCA compressed rows are rotated with the previous row's angles."""
+
+    target = "layers.hca_compressor.rope_compressed"
+
+    def replacement(self, ctx, original):
+        return lambda y, cos, sin, model: original(y, torch.roll(cos, 1, 0), torch.roll(sin, 1, 0), model)
