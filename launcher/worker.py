@@ -125,8 +125,11 @@ def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int,
 
 
 def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dict[str, torch.Tensor]:
-    """The golden of this rank's shard: the TP1 layer on clones of its inputs, full O weights."""
-    tensors = {n: t.clone() for n, t in inputs.items()}
+    """The golden of this rank's shard: the TP1 layer with full O weights, on the rank's inputs
+    with its in-out tensors cloned (the golden updates those in place and must leave the
+    implementation's copies as they were; it runs first, so the pure inputs are pristine)."""
+    inout = set(layer.names_of(case, Kind.INOUT))
+    tensors = {n: t.clone() if n in inout else t for n, t in inputs.items()}
     tensors["wo_a"], tensors["wo_b"] = wo_full
     out = layer.golden(case.model, tensors)
     return {n: out[n] for n in layer.compared_names(case)}
