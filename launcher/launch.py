@@ -210,6 +210,7 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     # The agent logs every worker failure itself; our report names the root cause instead.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
+    logging.getLogger("torchelastic-events-null").setLevel(logging.WARNING)  # per-worker status events
     try:
         results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
     except ChildFailedError as e:

@@ -23,8 +23,9 @@ import pytest
 class TPRunResult:
     exit_code: int
     result: dict | None  # the run's result.json (status "config-error" when the config was refused)
-    report: str
+    report: str  # the verdict report (what the CLI prints after the run)
     output_dir: str
+    output: str = ""  # everything the run printed: progress, rank 0's log, the report
 
     @property
     def passed(self) -> bool:
@@ -40,7 +41,11 @@ class TPRunResult:
         return next(v for v in self.result["verdicts"] if v["tensor"] == tensor)
 
     def __repr__(self) -> str:
-        return f"TPRunResult(exit_code={self.exit_code}, output_dir={self.output_dir!r})\n{self.report}"
+        # The report alone (no log lines), its verdict and root cause first: pytest shows the
+        # start of a failing assertion's explanation.
+        lines = self.report.splitlines()
+        head = [ln for ln in lines if ln.startswith(("ERROR:", "VERDICT:", "error:"))]
+        return f"TPRunResult(exit_code={self.exit_code}, output_dir={self.output_dir!r})\n" + "\n".join(head + lines)
 
 
 def _override(key: str, value) -> str:
@@ -62,6 +67,7 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
     from hydra import compose, initialize_config_module
 
     from .cli import execute  # registers the schemas
+    from .report import render
 
     args = [_override(k, v) for k, v in keys.items()] + list(overrides)
     with initialize_config_module(config_module="configs", version_base=None):
@@ -71,17 +77,32 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
         code = execute(cfg, output_dir)
     path = os.path.join(output_dir, "result.json")
     result = json.load(open(path)) if os.path.exists(path) else None
-    return TPRunResult(exit_code=code, result=result, report=(out.getvalue() + err.getvalue()).strip(), output_dir=output_dir)
+    output = (out.getvalue() + err.getvalue()).strip()
+    report = render(result) if result is not None else output
+    return TPRunResult(exit_code=code, result=result, report=report, output_dir=output_dir, output=output)
 
 
 @pytest.fixture
-def tp_run(tmp_path):
+def tp_run(request, tmp_path):
     """Run a TP decode layer on real ranks: `tp_run(layer="swa", tp=2, model="tiny", impl=...)`."""
-    count = 0
+    runs: list[TPRunResult] = []
+    request.node._tp_runs = runs  # shown under a failing test by pytest_runtest_makereport
 
     def run(*, overrides: list[str] = (), **keys) -> TPRunResult:
-        nonlocal count
-        count += 1
-        return run_layer(str(tmp_path / f"run{count}"), overrides=overrides, **keys)
+        result = run_layer(str(tmp_path / f"run{len(runs) + 1}"), overrides=overrides, **keys)
+        runs.append(result)
+        return result
 
     return run
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that used tp_run shows each run's full report (with a failing rank's
+    traceback) in its failure output, not only the shortened repr of the assertion."""
+    outcome = yield
+    rep = outcome.get_result()
+    runs = getattr(item, "_tp_runs", None)
+    if rep.when == "call" and rep.failed and runs:
+        for i, r in enumerate(runs, 1):
+            rep.sections.append((f"tp_run {i} (exit {r.exit_code}, {r.output_dir})", r.report))

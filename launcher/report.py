@@ -92,6 +92,11 @@ def render(result: dict) -> str:
         f"dsv4-tp-harness  layer={c['layer']} model={c['model']} tp={c['tp']} local_t={c['local_t']} "
         f"seed={c['seed']} start_pos={c['start_pos']} backend={c['backend']} impl={c['impl']}"
     ]
+    if result["status"] in ("config-error", "skipped"):  # no rank ran
+        word = "error" if result["status"] == "config-error" else "SKIPPED"
+        lines.append(f"{word}: {result['error']['message']}")
+        lines.append(f"VERDICT: {'ERROR' if word == 'error' else 'SKIPPED'} ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
     if result["status"] == "error":
         e = result["error"]
         stage = f" in stage '{e['stage']}'" if e["stage"] else ""
