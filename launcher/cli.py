@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from layers.config import ConfigError
-from layers.registry import get_layer
+from layers.scopes import get_scope
 
 from . import devices, progress, report, snapshot, sweep
 from .launch import launch
@@ -39,7 +39,7 @@ sweep.register_resolvers()
 def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
     """Every check the config alone allows, before any process is started."""
     spec = run_spec(cfg, output_dir)
-    layer = get_layer(spec.case.layer)
+    layer = get_scope(spec.case.layer, spec.case.scope)
     if spec.golden_data:
         spec = _with_snapshot_local_t(spec, cfg.local_t, layer)
     spec.case.validate()

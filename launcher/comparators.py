@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from layers.base import Check, PoolCheck, RelDiffCheck
+from layers.checks_extra import StageCheck
 
 INITIAL_PREFIX = "initial:"
 MAX_EXAMPLES = 8  # stray rows / non-finite coordinates listed per side or per rank
@@ -1285,6 +1286,10 @@ def build_comparator(check: Check, *, mapping_shape: Sequence[int], leading_rank
             max_error_ratio=check.max_error_ratio, initial_name=initial_key(check.output))
     if isinstance(check, RelDiffCheck):
         return ratio_reldiff(check.diff_thd, check.pct_thd, check.max_diff_hd, rank_axis=leading_rank_axis)
+    if isinstance(check, StageCheck):  # the scopes' and bisect's stage-level checks (§12.5)
+        from .stage_comparators import build_stage_comparator  # imported here: it builds on this module
+
+        return build_stage_comparator(check, leading_rank_axis=leading_rank_axis)
     raise TypeError(f"no comparator for check {check!r}")
 
 

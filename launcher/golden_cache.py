@@ -34,6 +34,7 @@ def code_version() -> str:
 def identity(case: Case, rank: int, threads: int) -> dict:
     return {
         "layer": case.layer,
+        "scope": case.scope,
         "model": case.model.fields(),
         "tp": case.tp,
         "local_t": case.local_t,

@@ -133,7 +133,7 @@ def error_maps(name: str, check: Check, actual: torch.Tensor, expected: torch.Te
         return _pool_maps(check, a, e, mapping)
     if isinstance(check, RelDiffCheck):
         return _reldiff_maps(name, check, a, e, math.lcm(seq, TOKEN_TILE))
-    raise TypeError(f"no error map for check {check!r}")
+    return []  # a focused scope's stage check: its verdict already lists the rows it saw
 
 
 # -- PNG ---------------------------------------------------------------------------------------

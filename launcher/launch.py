@@ -29,7 +29,8 @@ from .schema import RunSpec
 from .worker import progress_path, rank_main
 
 # Imported by the forkserver once, so that each rank starts without re-importing torch.
-PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.worker", "layers.swa", "layers.csa", "layers.hca"]
+PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.worker", "layers.swa", "layers.csa", "layers.hca",
+           "layers.scopes", "layers.stages", "launcher.bisect"]
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause.

@@ -48,15 +48,16 @@ class TPRunResult:
         return f"TPRunResult(exit_code={self.exit_code}, output_dir={self.output_dir!r})\n" + "\n".join(head + lines)
 
 
-def _override(key: str, value) -> str:
+def _overrides(key: str, value) -> list[str]:
     if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
-        value = f"{value.__module__}.{value.__qualname__}"
-        return f"{key}._target_={value}"
+        target = [f"{key}._target_={value.__module__}.{value.__qualname__}"]
+        # A class is instantiated into the callable; a function is the callable itself.
+        return target if isinstance(value, type) else target + [f"+{key}._partial_=true"]
     if isinstance(value, (list, tuple)):
-        return f"{key}=[{','.join(str(v) for v in value)}]"
+        return [f"{key}=[{','.join(str(v) for v in value)}]"]
     if value is None:
-        return f"{key}=null"
-    return f"{key}={value}"
+        return [f"{key}=null"]
+    return [f"{key}={value}"]
 
 
 def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunResult:
@@ -69,7 +70,7 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
     from .cli import execute  # registers the schemas
     from .report import render
 
-    args = [_override(k, v) for k, v in keys.items()] + list(overrides)
+    args = [o for k, v in keys.items() for o in _overrides(k, v)] + list(overrides)
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="config", overrides=args)
     out, err = io.StringIO(), io.StringIO()

@@ -27,13 +27,14 @@ from . import heatmap
 from .launch import LaunchOutcome
 from .schema import RunSpec
 
-STAGES = ("fixture", "golden", "save", "layer", "gather", "compare")
+STAGES = ("fixture", "golden", "save", "layer", "gather", "compare", "bisect")
 
 
 def _case_dict(spec: RunSpec) -> dict:
     c = spec.case
     return {
         "layer": c.layer,
+        "scope": c.scope,
         "model": c.model.name,
         "tp": c.tp,
         "local_t": c.local_t,
@@ -68,6 +69,8 @@ def build_result(spec: RunSpec, outcome: LaunchOutcome, *, wall_s: float) -> dic
         rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
         golden_data=spec.golden_data, save_data=spec.save_data,
     )
+    if r.get("bisect") is not None:
+        result["bisect"] = r["bisect"]
     if primary == "snapshot" and "golden" in r["comparisons"]:
         result["recomputed_verdicts"] = r["comparisons"]["golden"]
     return result
@@ -89,7 +92,7 @@ def _table(rows: list[list[str]]) -> list[str]:
 def render(result: dict) -> str:
     c = result["case"]
     lines = [
-        f"dsv4-tp-harness  layer={c['layer']} model={c['model']} tp={c['tp']} local_t={c['local_t']} "
+        f"dsv4-tp-harness  layer={c['layer']} scope={c.get('scope', 'full')} model={c['model']} tp={c['tp']} local_t={c['local_t']} "
         f"seed={c['seed']} start_pos={c['start_pos']} backend={c['backend']} impl={c['impl']}"
     ]
     if result["status"] in ("config-error", "skipped"):  # no rank ran
@@ -128,6 +131,10 @@ def render(result: dict) -> str:
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
         lines += _verdict_lines(result["recomputed_verdicts"])
+    if result.get("bisect"):
+        from .bisect import render as render_bisect  # the stage table of a bisected failure
+
+        lines += render_bisect(result["bisect"]).splitlines()
     verdict = "PASS" if result["passed"] else "FAIL"
     failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
     lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
@@ -183,6 +190,7 @@ def config_case(cfg) -> dict:
 
     return {
         "layer": get(lambda: cfg.layer.name),
+        "scope": get(lambda: cfg.scope),
         "model": get(lambda: cfg.model.name),
         "tp": get(lambda: cfg.tp),
         "local_t": get(lambda: cfg.local_t),

@@ -9,6 +9,7 @@ OmegaConf tree becomes plain dataclasses.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from layers.case import Case
+from layers.case import TOKEN_TILE, Case
+from layers.scopes import get_scope
 from layers.config import ConfigError, ModelConfig
 
 from .faults import Fault
@@ -74,6 +76,8 @@ class RunSchema:
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
     nproc_per_node: Optional[int] = None
+    scope: str = "full"
+    bisect: bool = False
 
 
 def register() -> None:
@@ -104,6 +108,7 @@ class RunSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 (single node): the store binds a free port
     nproc_per_node: int = 0  # ranks on this node; 0 means tp / nnodes
+    bisect: bool = False  # after a failing full run, locate the first divergent stage and rank
 
     @property
     def local_ranks(self) -> int:
@@ -144,7 +149,11 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     model_fields = OmegaConf.to_container(cfg.model, resolve=True)
     model = ModelConfig(**model_fields)
     tp = int(cfg.tp)
-    local_t = cfg.local_t if cfg.local_t is not None else (model.decode_tokens // tp if tp > 0 else 0)
+    scope = str(cfg.scope)
+    get_scope(str(cfg.layer.name), scope)  # an unknown layer or scope is a ConfigError here
+    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(model, tp, scope)
+    if cfg.bisect and scope != "full":
+        raise ConfigError(f"bisect=true locates a divergent stage of the full layer; it needs scope=full, not scope={scope}")
     case = Case(
         layer=str(cfg.layer.name),
         model=model,
@@ -152,6 +161,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         local_t=int(local_t),
         seed=int(cfg.seed),
         start_pos=_start_pos(cfg.start_pos),
+        scope=scope,
     )
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
@@ -189,6 +199,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         recompute_golden=bool(cfg.recompute_golden),
         golden_cache=_path(cfg.golden_cache),
         fault=fault,
+        bisect=bool(cfg.bisect),
         **_nodes(cfg, tp),
     )
 
@@ -212,6 +223,18 @@ def _nodes(cfg: DictConfig, tp: int) -> dict:
         raise ConfigError(f"master_port={port} must be a TCP port in [1, 65535] for a multi-node run")
     return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": str(cfg.master_addr),
             "master_port": int(port), "nproc_per_node": nproc}
+
+def _default_local_t(model: ModelConfig, tp: int, scope: str) -> int:
+    """The rank capacity; the padding-guard scopes run one row block below it, so that the
+    poisoned and sentinel rows they check exist."""
+    if tp < 1:
+        return 0
+    capacity = model.decode_tokens // tp
+    block = TOKEN_TILE * model.decode_seq // math.gcd(TOKEN_TILE, model.decode_seq)
+    if scope in ("output", "collectives") and capacity - block >= TOKEN_TILE:
+        return capacity - block
+    return capacity
+
 
 def default_timeout_s(model: ModelConfig) -> float:
     """Collective timeout when none is given: a hang at small dims ends in well under a minute,

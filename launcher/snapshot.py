@@ -137,6 +137,7 @@ def save(directory: str, case: Case, specs: dict[str, TensorSpec], inputs: dict,
         hashes[f"{sub}/{name}.pt"] = _sha256(path)
     manifest = {
         "layer": case.layer,
+        "scope": case.scope,
         "model": case.model.name,
         "model_fields": case.model.fields(),
         "tp": case.tp,

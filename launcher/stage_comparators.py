@@ -54,7 +54,8 @@ class SentinelExact(Comparator):
             by_rank = touched.sum(dim=1).tolist()
             first = touched.nonzero()[:MAX_EXAMPLES].tolist()
             figures.update(padding_rows=int(padding.sum()), touched_padding_rows=int(touched.sum()),
-                           touched_padding_by_rank=by_rank, first_touched_padding=[{"rank": r, "row": i} for r, i in first])
+                           touched_padding_by_rank=by_rank,
+                           first_touched_padding=[{"rank": r, "row": i} for r, i in first])
             if figures["touched_padding_rows"]:
                 ranks = ", ".join(f"rank {r}: {n}" for r, n in enumerate(by_rank) if n)
                 rows = ", ".join(f"(rank {r}, row {i})" for r, i in first)
@@ -88,7 +89,8 @@ class PrefixAndTail(Comparator):
                  rtol=1e-5, atol=1e-5) -> Verdict:
         shaped = actual.shape == expected.shape and actual.dtype == expected.dtype
         if not shaped or not 0 <= self.valid_rows <= actual.shape[self.axis]:
-            return dataclasses.replace(self._prefix.evaluate(actual, expected, rtol=rtol, atol=atol), label=self.__name__)
+            v = self._prefix.evaluate(actual, expected, rtol=rtol, atol=atol)
+            return dataclasses.replace(v, label=self.__name__)
         a, e = actual.cpu(), expected.cpu()
         n_tail = a.shape[self.axis] - self.valid_rows
         bad = a.narrow(self.axis, self.valid_rows, n_tail) != e.narrow(self.axis, self.valid_rows, n_tail)

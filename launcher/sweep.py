@@ -108,7 +108,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
                    wall_s=None, failed_tensors=[], tensor=None)
         return row
     case = result["case"]
-    row.update({k: case.get(k) for k in ("layer", "model", "tp", "local_t", "start_pos", "seed")})
+    row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
     failed = [v for v in verdicts if not v["passed"]]
@@ -156,11 +156,11 @@ def _fmt(v) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
-    head = ["job", "layer", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad", "wall_s"]
+    head = ["job", "layer", "scope", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad", "wall_s"]
     cells = [head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
-        cells.append([str(r["job"]), _fmt(r.get("layer")), _fmt(r.get("model")), _fmt(r.get("tp")),
+        cells.append([str(r["job"]), _fmt(r.get("layer")), _fmt(r.get("scope")), _fmt(r.get("model")), _fmt(r.get("tp")),
                       _fmt(r.get("local_t")), _starts_text(r.get("start_pos")), r["verdict"], _fmt(r.get("tensor")),
                       _fmt(r.get("max_abs_diff")), bad, _fmt(r.get("wall_s"))])
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
@@ -191,7 +191,7 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
     for r in rows:
         name = f"job{r['job']} " + " ".join(o for o in r["overrides"] if not o.startswith("hydra."))
         tc = ET.SubElement(ts, "testcase", {
-            "classname": f"{suite}.{r.get('layer') or 'unknown'}", "name": _xml_text(name.strip()),
+            "classname": f"{suite}.{r.get('layer') or 'unknown'}.{r.get('scope') or 'full'}", "name": _xml_text(name.strip()),
             "time": f"{r.get('wall_s') or 0.0:.3f}",
         })
         if r["verdict"] == "FAIL":

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from layers.base import Kind, PoolCheck, RankContext
-from layers.registry import get_layer
+from layers.scopes import get_scope
 
-from . import devices, faults, golden_cache, heatmap, snapshot
+from . import bisect, devices, faults, golden_cache, heatmap, snapshot
 from .comparators import build_comparator, initial_key
 from .schema import RunSpec
 
@@ -130,22 +130,28 @@ def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dic
     implementation's copies as they were; it runs first, so the pure inputs are pristine)."""
     inout = set(layer.names_of(case, Kind.INOUT))
     tensors = {n: t.clone() if n in inout else t for n, t in inputs.items()}
-    tensors["wo_a"], tensors["wo_b"] = wo_full
+    if layer.sharded_o_weights:
+        tensors["wo_a"], tensors["wo_b"] = wo_full
     out = layer.golden(case.model, tensors)
     return {n: out[n] for n in layer.compared_names(case)}
 
 
 def cached_golden(spec: RunSpec, layer, inputs, rank: int) -> tuple[dict[str, torch.Tensor], bool]:
     """The golden from the on-disk cache when its identity matches, else computed (and stored)."""
-    if spec.golden_data is not None:  # replay: the full O weights are the snapshot's shards
-        return golden_outputs(layer, spec.case, inputs, snapshot.full_o_weights(spec.golden_data)), False
-    if spec.golden_cache is None:
-        return golden_outputs(layer, spec.case, inputs, layer.full_o_weights(spec.case)), False
+    def full_o_weights():
+        if not layer.sharded_o_weights:
+            return None
+        if spec.golden_data is not None:  # replay: the full O weights are the snapshot's shards
+            return snapshot.full_o_weights(spec.golden_data)
+        return layer.full_o_weights(spec.case)
+
+    if spec.golden_data is not None or spec.golden_cache is None:
+        return golden_outputs(layer, spec.case, inputs, full_o_weights()), False
     ident = golden_cache.identity(spec.case, rank, spec.threads())
     hit = golden_cache.load(spec.golden_cache, ident)
     if hit is not None:
         return hit, True
-    outputs = golden_outputs(layer, spec.case, inputs, layer.full_o_weights(spec.case))
+    outputs = golden_outputs(layer, spec.case, inputs, full_o_weights())
     golden_cache.store(spec.golden_cache, ident, outputs)
     return outputs, False
 
@@ -236,7 +242,7 @@ def check_nodes_agree(spec: RunSpec, rank: int) -> None:
 def _run(spec: RunSpec, rank: int, device: torch.device):
     case = spec.case
     tp = case.tp
-    layer = get_layer(case.layer)
+    layer = get_scope(case.layer, case.scope)
     stage = _Stages(rank, spec.output_dir, spec.fault)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
@@ -285,11 +291,19 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     # Every rank learns the verdict, so every node exits with rank 0's verdict code.
     verdict = [all(v["passed"] for vs in comparisons.values() for v in vs) if rank == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
+    located = None
+    if spec.bisect and not verdict[0]:
+        with stage("bisect"):
+            # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
+            fresh = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs) if spec.golden_data else layer.rank_inputs(case, rank)
+            ctx = RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD)
+            located = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
     if rank != 0:
         return {"passed": verdict[0], "comparisons": None}
     stats[0]["seconds"] = stage.seconds
     return {
         "passed": verdict[0],
+        "bisect": located,
         "comparisons": comparisons,
         "rank_seconds": [s["seconds"] for s in stats],
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache_hit"]],

@@ -13,6 +13,8 @@ knows nothing of caches being written or of tensor parallelism.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from . import rope
@@ -30,6 +32,22 @@ ATTN_K_TILE = 128
 _CHUNK_ELEMENTS = 1 << 23
 
 
+def exp_rounded_from_fp64(x: torch.Tensor) -> torch.Tensor:
+    """`exp` of an fp32 tensor evaluated in fp64 and rounded once to fp32: the correctly rounded
+    value (up to a double rounding of ~2^-29 relative), the same on every machine and backend.
+
+    torch.exp on CPU is MKL's VML, whose fp32 result depends on the code branch MKL picks: its
+    AVX2 / AVX-512 branches (what `MKL_CBWR=AVX2,STRICT` pins) round ~3 % of the attention's exps
+    one ulp off the correctly rounded value, its AVX / SSE4.2 / COMPATIBLE branches ~0.8 %.
+    With it every layer's golden reproduces the reference snapshots bit for bit (with the AVX2
+    exp, one HCA token lands 1 ulp off). NPUs may lack fp64 arithmetic: there the plain fp32
+    exp is used, which the tolerances absorb.
+    """
+    if x.device.type == "npu":
+        return torch.exp(x)
+    return torch.exp(x.double()).to(x.dtype)
+
+
 def gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of a paged pool by flat physical index; −1 marks an invalid entry.
 
@@ -44,7 +62,12 @@ def gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def sparse_attention(
-    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, attn_sink: torch.Tensor, softmax_scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    valid: torch.Tensor,
+    attn_sink: torch.Tensor,
+    softmax_scale: float,
+    exp: Callable[[torch.Tensor], torch.Tensor] = exp_rounded_from_fp64,
 ) -> torch.Tensor:
     """Attention of q [T, H, HD] bf16 over kv [T, K, HD] bf16 (keys = values) where valid [T, K].
 
@@ -58,20 +81,28 @@ def sparse_attention(
     Tile j holds keys `[128·j, 128·j + 128)` of the list as given: a layer whose key segments
     each start on a tile (HCA's compressed rows after the window) pads its segments itself.
     An all-invalid tile (extra padding tiles included) leaves the merge bitwise unchanged.
+
+    `exp` evaluates every exp of the softmax, the merge and the sink term; the default is the
+    correctly rounded `exp_rounded_from_fp64`, independent of the CPU's math-library branch.
     """
     t, h, hd = q.shape
     if t == 0:
         return torch.zeros(0, h, hd, dtype=torch.float32, device=q.device)
     chunk = max(1, _CHUNK_ELEMENTS // (ATTN_K_TILE * hd))
     parts = [
-        _attend_chunk(q[i : i + chunk], kv[i : i + chunk], valid[i : i + chunk], attn_sink, softmax_scale)
+        _attend_chunk(q[i : i + chunk], kv[i : i + chunk], valid[i : i + chunk], attn_sink, softmax_scale, exp)
         for i in range(0, t, chunk)
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _attend_chunk(
-    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, attn_sink: torch.Tensor, softmax_scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    valid: torch.Tensor,
+    attn_sink: torch.Tensor,
+    softmax_scale: float,
+    exp: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     t, k = valid.shape
     qf = f32(q)
@@ -90,19 +121,19 @@ def _attend_chunk(
         s = torch.matmul(qf, kt.transpose(1, 2)) * softmax_scale  # [T, H, 128]
         s = s.masked_fill(~valid_j, NEG_INF)
         m_j = s.amax(dim=-1, keepdim=True)
-        e = torch.exp(s - m_j).masked_fill(~valid_j, 0.0)
+        e = exp(s - m_j).masked_fill(~valid_j, 0.0)
         l_j = e.sum(dim=-1, keepdim=True)  # P6: unrounded exps
         o_j = torch.matmul(f32(bf16(e)), kt)  # bf16 probabilities, fp32 accumulate
         if j == 0:
             m, l, o = m_j, l_j, o_j
             continue
         m_new = torch.maximum(m, m_j)
-        alpha = torch.exp(m - m_new)
-        beta = torch.exp(m_j - m_new)
+        alpha = exp(m - m_new)
+        beta = exp(m_j - m_new)
         l = alpha * l + beta * l_j
         o = alpha * o + beta * o_j
         m = m_new
-    denom = l + torch.exp(f32(attn_sink)[None, :, None] - m)  # P5: sink not in the max
+    denom = l + exp(f32(attn_sink)[None, :, None] - m)  # P5: sink not in the max
     out = o / denom
     # P1: a token with no valid key is skipped by the golden (zeros), not computed.
     return torch.where(valid.any(dim=1)[:, None, None], out, torch.zeros_like(out))
@@ -123,4 +154,4 @@ def pack_heads(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model: Mod
     return heads.reshape(t, model.o_groups, model.group_in).transpose(0, 1).contiguous()
 
 
-__all__ = ["NEG_INF", "ATTN_K_TILE", "gather_rows", "sparse_attention", "pack_heads"]
+__all__ = ["NEG_INF", "ATTN_K_TILE", "exp_rounded_from_fp64", "gather_rows", "sparse_attention", "pack_heads"]

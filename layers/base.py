@@ -86,6 +86,9 @@ class RankContext:
 
 class Layer(abc.ABC):
     name: ClassVar[str]
+    # The golden projects with the full O weights (`full_o_weights`) in place of the rank's
+    # shards; a focused scope without a sharded projection sets False.
+    sharded_o_weights: ClassVar[bool] = True
 
     @abc.abstractmethod
     def validate(self, case: Case) -> None:

@@ -25,6 +25,8 @@ class Case:
     # None: the layer's canonical start set; an int: every request; a tuple: one start per
     # request of this rank (length batch) or of the whole TP group (length tp * batch).
     start_pos: int | tuple[int, ...] | None = None
+    # What the run validates: the whole layer, or one of the focused scopes (layers.scopes).
+    scope: str = "full"
 
     @property
     def seq(self) -> int:

@@ -122,7 +122,9 @@ class TorchTP:
     """The default implementation under test: the layer's own torch TP forward."""
 
     def __call__(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return registry.get_layer(ctx.case.layer).forward(ctx, tensors)
+        from . import scopes  # here: layers.scopes imports this module
+
+        return scopes.get_scope(ctx.case.layer, ctx.case.scope).forward(ctx, tensors)
 
 
 __all__ = ["group_all_to_all", "reduce_scatter", "tp_output_half", "TorchTP"]

@@ -21,6 +21,10 @@ NEG_INF = -1.0e20
 TILE = 128
 
 
+# The golden's exps, as the layer evaluates them: correctly rounded fp32 (see the test below).
+EXP = attention.exp_rounded_from_fp64
+
+
 def golden_loop(q, pool, rows, lens, sink, scale):
     """The golden's per-token procedure: gather a tile at a time, softmax, merge tiles in order."""
     t_count, h, hd = q.shape
@@ -46,15 +50,15 @@ def golden_loop(q, pool, rows, lens, sink, scale):
             s = (q[t].float() @ kv_tile.T) * scale
             s = s.masked_fill(~valid[None], NEG_INF)
             m = s.max(dim=-1, keepdim=True).values
-            e = torch.exp(s - m).masked_fill(~valid[None], 0.0)
+            e = EXP(s - m).masked_fill(~valid[None], 0.0)
             pv = e.to(torch.bfloat16).float() @ kv_tile.to(torch.bfloat16).float()
             blocks.append((m, e.sum(dim=-1, keepdim=True), pv))
         m, l, o = blocks[0]
         for m_j, l_j, o_j in blocks[1:]:
             m_new = torch.maximum(m, m_j)
-            a, b = torch.exp(m - m_new), torch.exp(m_j - m_new)
+            a, b = EXP(m - m_new), EXP(m_j - m_new)
             l, o, m = a * l + b * l_j, a * o + b * o_j, m_new
-        out[t] = o / (l + torch.exp(sink.float()[:, None] - m))
+        out[t] = o / (l + EXP(sink.float()[:, None] - m))
     return out
 
 
@@ -198,3 +202,9 @@ def test_pack_heads_layout_and_inverse_rope():
     rope_part = packed.reshape(m.o_groups, t_count, hpg, hd).transpose(0, 1).reshape(t_count, h, hd)[..., nope:]
     restored = rope.apply_rope(rope_part.float(), cos, sin).float()
     torch.testing.assert_close(restored, o[..., nope:], rtol=0.02, atol=0.02)
+
+
+def test_default_exp_is_the_correctly_rounded_fp32_exp():
+    x = torch.linspace(-87.0, 0.0, 20001)
+    want = torch.tensor([math.exp(v) for v in x.tolist()], dtype=torch.float64).to(torch.float32)
+    assert torch.equal(attention.exp_rounded_from_fp64(x), want)

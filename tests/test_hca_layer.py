@@ -18,6 +18,9 @@ from layers.base import Kind, PoolCheck, RankContext, RelDiffCheck
 from layers.case import Case
 from layers.config import TINY, ConfigError
 
+# The attention's exps as the layer evaluates them: correctly rounded fp32 (test_attention.py).
+from layers.attention import exp_rounded_from_fp64 as _exp
+
 RATIO = 128
 WIDE = TINY.replace(name="tiny-wide", decode_batch=64)  # room for batch 31 (hca.md §10.1)
 CPU = torch.device("cpu")
@@ -176,15 +179,15 @@ def naive_attention(q, kv_cache, cmp_kv, window, cmp_table, positions, seq_lens,
             sc = (q[t].float() @ keys.T) * model.softmax_scale
             sc = sc.masked_fill(~valid[None], attention.NEG_INF)
             mi = sc.max(dim=-1, keepdim=True).values
-            e = torch.exp(sc - mi).masked_fill(~valid[None], 0.0)
+            e = _exp(sc - mi).masked_fill(~valid[None], 0.0)
             li, oi = e.sum(dim=-1, keepdim=True), e.bfloat16().float() @ keys.bfloat16().float()
             if m_ is None:
                 m_, l_, o_ = mi, li, oi
                 continue
             mn = torch.maximum(m_, mi)
-            a, be = torch.exp(m_ - mn), torch.exp(mi - mn)
+            a, be = _exp(m_ - mn), _exp(mi - mn)
             m_, l_, o_ = mn, a * l_ + be * li, a * o_ + be * oi
-        out[t] = o_ / (l_ + torch.exp(sink[:, None] - m_))
+        out[t] = o_ / (l_ + _exp(sink[:, None] - m_))
     return out
 
 

@@ -60,12 +60,12 @@ def test_tiny_multirun_summary_and_junit(tmp_path):
     suite = junit.find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("4", "0", "0")
     cases = suite.findall("testcase")
-    assert [c.get("classname") for c in cases] == ["dsv4-tp-harness.swa"] * 2 + ["dsv4-tp-harness.hca"] * 2
+    assert [c.get("classname") for c in cases] == ["dsv4-tp-harness.swa.full"] * 2 + ["dsv4-tp-harness.hca.full"] * 2
     assert cases[1].get("name") == "job1 layer=swa model=tiny tp=2"
     assert not any(c.find("failure") is not None or c.find("error") is not None for c in cases)
     table = p.stdout[p.stdout.index("job  layer"):].splitlines()
-    assert table[1].split()[:7] == ["0", "swa", "tiny", "1", "128", "canonical", "PASS"]
-    assert table[4].split()[:7] == ["3", "hca", "tiny", "2", "64", "canonical", "PASS"]
+    assert table[1].split()[:8] == ["0", "swa", "full", "tiny", "1", "128", "canonical", "PASS"]
+    assert table[4].split()[:8] == ["3", "hca", "full", "tiny", "2", "64", "canonical", "PASS"]
     assert "[4/4] PASS" in p.stderr and "[2/4] swa tiny tp=2 local_t=64: layer done on 2/2 ranks" in p.stderr
 
 

@@ -1,0 +1,264 @@
+"""Bisect: re-run a failing full-layer case stage by stage and name the first divergent stage and rank.
+
+Runs inside every rank after the full run's comparison failed (validation.md §7: compare the
+intermediates in dependency order and blame the first stage whose error blows up):
+
+1. The golden chain: the layer's stages (`layers.stages`) with the golden's functions on clones
+   of the rank's inputs. Cross-rank stages read every rank's golden inputs through an
+   all-gather here and apply swa.md §5.3 / §5.5's index maps, so the golden never runs the
+   collectives under test.
+2. The implementation, called as in the full run (`impl(ctx, tensors)`), with the layer's
+   `forward` replaced for that call by `layers.stages.staged_forward`: an implementation that
+   dispatches to the layer's forward (`layers.tp.TorchTP` and its subclasses, defects patched
+   inside their call included) runs the same live stage functions, each stage's outputs
+   recorded. Any other implementation takes part by adding intermediates to the dict it
+   returns, under the stage tensor names (`layers.stages.stage_tensors`); the compared outputs
+   (the pools, x_out) always count as their stages' outputs.
+3. Each stage is judged in isolation: the golden stage re-run on the implementation's own inputs
+   to that stage (its earlier outputs, or the rank's initial tensors) against the
+   implementation's outputs, with the stage's check. A stage whose inputs were not exposed is
+   judged against the golden chain instead (`chain_check`). Every stage also reports its
+   distance to the golden chain. A last pseudo-stage `outputs` checks that the tensors the
+   implementation returned are bitwise the ones its last stages computed.
+
+`bisect_rank` returns one rank's table (JSON-ready); `gather_bisect` merges them on rank 0 into
+{diverged, stage, rank, ranks, tensor, mode, label, figures, detail, stages}; `render` prints it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from layers.base import Layer, RankContext
+from layers.checks_extra import ExactCheck
+from layers.stages import Stage, layer_stages, staged_forward
+
+from .comparators import build_comparator, initial_key
+
+OUTPUTS_STAGE = "outputs"
+
+
+def every_rank(ctx: RankContext, t: torch.Tensor) -> torch.Tensor:
+    """Every rank's `t` stacked `[P, ...]` on the CPU, bit-exact (raw bytes on the wire)."""
+    if ctx.tp == 1:
+        return t[None]
+    import torch.distributed as dist  # only cross-rank stages need it
+
+    wire = t.detach().contiguous().to(ctx.device).view(torch.uint8)
+    parts = [torch.empty_like(wire) for _ in range(ctx.tp)]
+    dist.all_gather(parts, wire, group=ctx.group)
+    return torch.stack([p.cpu().view(t.dtype) for p in parts])
+
+
+def _golden_stage(stage: Stage, ctx: RankContext, args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for name in stage.every_rank:
+        args[name] = every_rank(ctx, args[name])
+    return {n: t.detach().to("cpu", copy=True) for n, t in stage.golden(ctx, args).items()}
+
+
+def golden_chain(stages: Sequence[Stage], ctx: RankContext, initial: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Stage name -> the golden's outputs of that stage, each stage fed the golden's earlier ones."""
+    values = {n: t.clone() for n, t in initial.items()}
+    chain = {}
+    for stage in stages:
+        chain[stage.name] = _golden_stage(stage, ctx, {n: values[n] for n in stage.inputs})
+        values.update(chain[stage.name])
+    return chain
+
+
+@contextmanager
+def _staged(layer: Layer, stages: Sequence[Stage], ctx: RankContext, record: dict) -> Iterator[None]:
+    """The layer's `forward` is the recording staged forward while the implementation runs."""
+    outputs = layer.compared_names(ctx.case)
+    layer.forward = lambda c, tensors: staged_forward(tuple(stages), outputs, c, tensors, record)
+    try:
+        yield
+    finally:
+        del layer.forward  # the class's forward again
+
+
+def _run_impl(layer: Layer, stages: Sequence[Stage], ctx: RankContext, inputs: dict, impl) -> tuple[dict, dict, bool]:
+    """`(returned outputs, stage -> recorded outputs, whether the staged forward ran)` on CPU."""
+    tensors = {n: t.to(ctx.device, copy=True) for n, t in inputs.items()}
+    record: dict[str, dict[str, torch.Tensor]] = {}
+    with _staged(layer, stages, ctx, record):
+        returned = impl(ctx, tensors)
+    returned = {n: t.detach().to("cpu", copy=True) for n, t in returned.items() if isinstance(t, torch.Tensor)}
+    staged = bool(record)
+    if not staged:  # the implementation's own intermediates, by the stage tensor names
+        for stage in stages:
+            record[stage.name] = {n: returned[n] for n in stage.output_names if n in returned}
+    return returned, record, staged
+
+
+def _agree(ctx: RankContext, flags: list[bool]) -> list[bool]:
+    """A flag holds only where it holds on every rank (a cross-rank golden runs on all or none)."""
+    if ctx.tp == 1 or not flags:
+        return flags
+    import torch.distributed as dist
+
+    t = torch.tensor(flags, dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.group)
+    return [bool(v) for v in t.cpu().tolist()]
+
+
+def _distance(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, Any]:
+    """How far a tensor is from the golden chain's: bitwise?, max |diff| (finite points), #differing."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return {"comparable": False, "shape": list(actual.shape), "expected_shape": list(expected.shape),
+                "dtype": str(actual.dtype), "expected_dtype": str(expected.dtype)}
+    bitwise = torch.equal(actual.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8))
+    a, e = actual.double(), expected.double()
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    differ = (a != e) & ~(torch.isnan(a) & torch.isnan(e))
+    diff = torch.where(finite, (a - e).abs(), 0.0)
+    return {"comparable": True, "bitwise": bitwise, "n_differ": int(differ.sum()), "numel": a.numel(),
+            "max_abs_diff": float(diff.max()) if a.numel() else 0.0}
+
+
+def _judge(check, actual: torch.Tensor, expected: torch.Tensor, ctx: RankContext, inputs: dict) -> dict[str, Any]:
+    cmp = build_comparator(check, mapping_shape=(ctx.case.local_t,), leading_rank_axis=False)
+    v = cmp.evaluate(actual, expected, inputs=inputs)
+    return {"passed": v.passed, "label": v.label, "kind": v.kind, "detail": v.detail, "figures": v.figures}
+
+
+def bisect_rank(layer: Layer, ctx: RankContext, inputs: dict[str, torch.Tensor], impl) -> dict[str, Any]:
+    """This rank's stage table; every rank must call it (the cross-rank goldens are collective).
+
+    `inputs`: the rank's fresh inputs (before any step ran), as the full run got them.
+    """
+    stages = layer_stages(ctx.case)
+    initial = {n: t.detach().to("cpu", copy=True) for n, t in inputs.items()}
+    chain = golden_chain(stages, ctx, initial)
+    returned, record, staged = _run_impl(layer, stages, ctx, inputs, impl)
+    # The comparators' context: the rank's inputs, and every pool as it was before the step.
+    judge_inputs = {**initial, **{initial_key(n): t for n, t in initial.items()}}
+
+    # Which stages can be re-run on the implementation's own inputs (decided before any runs,
+    # so that every rank runs the same cross-rank goldens).
+    seen, plans = dict(initial), []
+    for stage in stages:
+        got = record.get(stage.name, {})
+        args = {n: seen[n] for n in stage.inputs} if all(n in seen for n in stage.inputs) else None
+        plans.append((got, args))
+        for name in stage.output_names:  # a stale initial value must not stand in for an output
+            if name in got:
+                seen[name] = got[name]
+            else:
+                seen.pop(name, None)
+    isolated = _agree(ctx, [bool(got) and args is not None for got, args in plans])
+
+    rows = []
+    for stage, (got, args), alone in zip(stages, plans, isolated):
+        reference = _golden_stage(stage, ctx, {n: t.clone() for n, t in args.items()}) if alone else None
+        mode = "isolated" if alone else ("chain" if got else "absent")
+        tensors = []
+        for out in stage.outputs:
+            name = out.name
+            if name not in got:
+                tensors.append({"tensor": name, "passed": None, "exposed": False})
+                continue
+            if alone:
+                verdict = _judge(out.check, got[name], reference[name], ctx, judge_inputs)
+            else:
+                verdict = _judge(out.chain_check or out.check, got[name], chain[stage.name][name], ctx, judge_inputs)
+            tensors.append({"tensor": name, **verdict, "chain": _distance(got[name], chain[stage.name][name])})
+        judged = [t["passed"] for t in tensors if t["passed"] is not None]
+        rows.append({"stage": stage.name, "mode": mode, "passed": all(judged) if judged else None, "tensors": tensors})
+
+    if staged:
+        last = {n: vals[n] for vals in record.values() for n in vals}  # the latest stage value of each name
+        tensors = [
+            {"tensor": n, **_judge(ExactCheck(n), returned[n], last[n], ctx, judge_inputs), "chain": None}
+            for n in layer.compared_names(ctx.case)
+        ]
+        rows.append({"stage": OUTPUTS_STAGE, "mode": "isolated", "passed": all(t["passed"] for t in tensors),
+                     "tensors": tensors})
+    return {"rank": ctx.rank, "staged_forward": staged, "stages": rows}
+
+
+def merge(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One report from every rank's table: the first stage (in order) failing on any rank."""
+    per_rank = sorted(per_rank, key=lambda r: r["rank"])
+    names = [s["stage"] for s in max(per_rank, key=lambda r: len(r["stages"]))["stages"]]
+    table, first = [], None
+    for i, name in enumerate(names):
+        cells = [(r["rank"], r["stages"][i]) for r in per_rank if i < len(r["stages"])]
+        failed = [rank for rank, cell in cells if cell["passed"] is False]
+        judged = [cell["passed"] for _, cell in cells if cell["passed"] is not None]
+        table.append({
+            "stage": name,
+            "modes": [cell["mode"] for _, cell in cells],
+            "passed": all(judged) if judged else None,
+            "failed_ranks": failed,
+            "per_rank": [{"rank": rank, **cell} for rank, cell in cells],
+        })
+        if failed and first is None:
+            first = (name, failed, dict(cells)[failed[0]])
+    report: dict[str, Any] = {
+        "diverged": first is not None,
+        "stage": None, "rank": None, "ranks": [], "tensor": None, "mode": None, "label": None, "figures": None,
+        "detail": "",
+        "staged_forward_ranks": [r["rank"] for r in per_rank if r["staged_forward"]],
+        "stages": table,
+    }  # fmt: skip
+    if first is not None:
+        name, failed, cell = first
+        bad = next(t for t in cell["tensors"] if t["passed"] is False)
+        report.update(stage=name, rank=failed[0], ranks=failed, tensor=bad["tensor"], mode=cell["mode"],
+                      label=bad["label"], figures=bad["figures"], detail=bad["detail"])
+    return report
+
+
+def gather_bisect(ctx: RankContext, result: dict[str, Any]) -> dict[str, Any] | None:
+    """Every rank's `bisect_rank` result merged on rank 0 (None on the other ranks)."""
+    if ctx.tp == 1:
+        return merge([result])
+    import torch.distributed as dist
+
+    gathered = [None] * ctx.tp if ctx.rank == 0 else None
+    dist.gather_object(result, gathered, dst=0, group=ctx.group)
+    return merge(gathered) if ctx.rank == 0 else None
+
+
+_MODE_TEXT = {
+    "isolated": "the stage re-run by the golden on the implementation's own inputs",
+    "chain": "against the golden chain (the implementation did not expose this stage's inputs)",
+}
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report's text: the verdict, the failing check's detail, one line per stage."""
+    if report["diverged"]:
+        ranks = ", ".join(str(r) for r in report["ranks"])
+        lines = [
+            f"bisect: first divergence at stage '{report['stage']}' on rank {report['rank']} (ranks {ranks}), "
+            f"tensor {report['tensor']}: {report['label']}, {_MODE_TEXT[report['mode']]}",
+            *([report["detail"]] if report["detail"] else []),
+        ]
+    else:
+        lines = ["bisect: no stage diverges in the staged re-run (the failure did not reproduce: a fault the "
+                 "worker injected, a nondeterministic implementation, or inputs that differ from the fixture)"]
+    lines.append(f"  {'stage':<18} {'result':<8} {'modes':<22} max |diff| to the golden chain, by rank")
+    for row in report["stages"]:
+        result = {True: "pass", False: "FAIL", None: "-"}[row["passed"]]
+        modes = ",".join(sorted(set(row["modes"])))
+        dists = []
+        for cell in row["per_rank"]:
+            chains = [t["chain"] for t in cell["tensors"] if t.get("chain")]
+            if not chains:
+                dists.append("-")
+            elif all(c.get("bitwise") for c in chains):
+                dists.append("0")
+            else:
+                dists.append(f"{max(c.get('max_abs_diff', float('nan')) for c in chains):.3g}")
+        fails = f"  failing ranks {row['failed_ranks']}" if row["failed_ranks"] else ""
+        lines.append(f"  {row['stage']:<18} {result:<8} {modes:<22} {' '.join(dists)}{fails}")
+    return "\n".join(lines)
+
+
+__all__ = ["OUTPUTS_STAGE", "every_rank", "golden_chain", "bisect_rank", "gather_bisect", "merge", "render"]
