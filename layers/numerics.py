@@ -59,13 +59,26 @@ def quant_weight_int8(
     SWA and HCA fixtures round half to even; the CSA fixture rounds half away from zero.
     Returns `(int8 like w, fp32 scale with `axis` reduced)`.
     """
-    wf = f32(w)
-    amax = wf.abs().amax(dim=axis, keepdim=True).clamp_min(INT8_AMAX_EPS)
-    scale_quant = INT8_SCALE_MAX / amax
-    v = wf * scale_quant
-    r = torch.sign(v) * torch.floor(v.abs() + 0.5) if half_away_from_zero else torch.round(v)
-    q = r.to(torch.int32).clamp(-127, 127).to(torch.float16).to(torch.int8)
+    # A flash weight is ~33M values: one private fp32 copy, every later step in place on it
+    # (all exact, so no bit changes), and max |w| as max(max w, -min w): two fp32 reductions
+    # and no |w| temporary (aminmax, and reductions over bf16, are slower).
+    v = w.to(torch.float32, copy=True)
+    amax = torch.maximum(v.amax(dim=axis, keepdim=True), v.amin(dim=axis, keepdim=True).neg_())
+    scale_quant = INT8_SCALE_MAX / amax.clamp_min_(INT8_AMAX_EPS)
+    v.mul_(scale_quant)
+    if half_away_from_zero:
+        # trunc(v ± 0.5) = sign(v)·floor(|v| + 0.5): fp32 addition is symmetric in sign.
+        v.add_(torch.full((), 0.5).copysign(v)).trunc_()
+    else:
+        v.round_()
+    # Integral values within ±127 convert to int8 exactly, as int32 -> fp16 -> int8 did.
+    q = v.clamp_(-127, 127).to(torch.int8)
     return q, (1.0 / scale_quant).squeeze(axis)
+
+
+# Columns of the int8 right operand widened at a time (elements): a flash wq_b [1024, 32768]
+# widened whole would be a 128 MiB fp32 transient on every rank.
+_WIDEN_CHUNK_ELEMENTS = 1 << 22
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -77,6 +90,16 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     GEMM (CUDA, NPU); TF32/HF32 must be off there (the launcher does so).
     """
     k = a.shape[-1]
-    if k <= _FP32_EXACT_MAX_K:
-        return f32(a) @ f32(b)
-    return (a.to(torch.float64) @ b.to(torch.float64)).to(torch.float32)
+    wide = torch.float32 if k <= _FP32_EXACT_MAX_K else torch.float64
+    aw = a.to(wide)
+    n = b.shape[-1]
+    cols = max(1, _WIDEN_CHUNK_ELEMENTS // max(1, b.numel() // max(1, n)))
+    if a.dim() < 2 or b.dim() < 2 or n <= cols:
+        return (aw @ b.to(wide)).to(torch.float32)
+    # A loop over a few column tiles of b, widened one at a time: every sum is an exact
+    # integer in `wide`, so no tiling or summation order can change a bit.
+    shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], n)
+    out = torch.empty(shape, dtype=torch.float32, device=a.device)
+    for j in range(0, n, cols):
+        out[..., j : j + cols] = aw @ b[..., j : j + cols].to(wide)
+    return out

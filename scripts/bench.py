@@ -1,0 +1,696 @@
+"""Benchmarks of the orchestrator's own overhead, measured side by side in one run.
+
+    python scripts/bench.py all                 # everything below, tables + bench.json + scaling.png
+    python scripts/bench.py launch              # tiny SWA tp=8 end to end vs torchrun of a bare gloo script
+    python scripts/bench.py flash               # CSA flash tp=2 local_t=64 end to end vs its golden alone
+    python scripts/bench.py memory              # per-rank peak RSS at flash tp=4 vs fixture + working set
+    python scripts/bench.py threads             # the threads-per-rank rule vs oversubscribed ranks
+    python scripts/bench.py loops               # Python calls as tokens / heads / cache rows double
+    python scripts/bench.py scaling             # wall time vs tp and vs local_t, tiny and flash, + PNG
+
+Every launcher run is `python -m launcher ... golden_cache=null` in a fresh interpreter (the
+cache would turn the golden stage into a file read; `flash` also measures a warm cache apart),
+timed from process start to exit. The machine is shared and noisy: each figure is the minimum
+over `--repeats` runs, and the two sides of a ratio are measured alternately in the same
+invocation, so they see the same load.
+Stage walls come from the ranks' progress events (first start to last done over all ranks);
+per-rank peak RSS is the VmHWM of each rank process, sampled from /proc while it runs (ranks
+are told apart by the per-rank stdout log their fd 1 points to). Results go to stdout as
+Markdown tables and to `<out>/bench.json`; `scaling` also writes `<out>/scaling.png` with a
+small zlib + struct plotter (no plotting dependency). `golden-alone` is the one-process
+reference the flash ratio divides by (run as a subprocess of `flash`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CORES = os.cpu_count() or 1
+MB = 2**20
+
+# What `torchrun` starts in the launch baseline: import torch, join a gloo group, one barrier.
+TORCHRUN_SCRIPT = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+# -- running things ------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One launcher process: its wall time, result.json, stage events and ranks' peak RSS."""
+
+    wall_s: float
+    started: float  # time.time() just before the process was started
+    result: dict
+    events: list[dict]
+    peak_rss: dict[int, int] = field(default_factory=dict)  # local rank -> VmHWM bytes
+
+    def stage_walls(self) -> dict[str, float]:
+        """Per stage: first start to last done over all ranks (ranks run a stage concurrently)."""
+        spans: dict[str, list[float]] = {}
+        for ev in self.events:
+            lo_hi = spans.setdefault(ev["stage"], [math.inf, -math.inf])
+            if ev["event"] == "start":
+                lo_hi[0] = min(lo_hi[0], ev["t"])
+            elif ev["event"] == "done":
+                lo_hi[1] = max(lo_hi[1], ev["t"])
+        return {name: hi - lo for name, (lo, hi) in spans.items()}
+
+    def phases(self) -> dict[str, float]:
+        """The run cut at the ranks' first and last events: start-up, ranks' stages, exit."""
+        first = min(ev["t"] for ev in self.events)
+        last = max(ev["t"] for ev in self.events)
+        return {"start-up": first - self.started, "stages": last - first,
+                "exit": self.started + self.wall_s - last}
+
+
+def _proc_children(pid: int) -> list[int]:
+    kids = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            kids += [int(p) for p in open(path).read().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _proc_children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+_RANK_LOG = re.compile(r"/attempt_\d+/(\d+)/stdout\.log$")
+
+
+def _sample_rss(proc: subprocess.Popen, peaks: dict[int, int], period_s: float) -> None:
+    """Until `proc` exits: the VmHWM of every rank process under it, by local rank."""
+    ranks: dict[int, int] = {}  # pid -> local rank
+    while proc.poll() is None:
+        for pid in _descendants(proc.pid):
+            if pid not in ranks:
+                try:
+                    m = _RANK_LOG.search(os.readlink(f"/proc/{pid}/fd/1"))
+                except OSError:
+                    continue
+                if m:
+                    ranks[pid] = int(m.group(1))
+        for pid, rank in ranks.items():
+            try:
+                status = open(f"/proc/{pid}/status").read()
+            except OSError:
+                continue
+            m = re.search(r"VmHWM:\s+(\d+) kB", status)
+            if m:
+                peaks[rank] = max(peaks.get(rank, 0), int(m.group(1)) * 1024)
+        time.sleep(period_s)
+
+
+def run_launcher(out_dir: str, overrides: list[str], sample_rss: bool = False, golden_cache: str = "null") -> Run:
+    """`python -m launcher <overrides>` end to end, the golden cache off unless given; it must PASS."""
+    cmd = [sys.executable, "-m", "launcher", *overrides, f"golden_cache={golden_cache}", f"hydra.run.dir={out_dir}"]
+    log = out_dir + ".log"
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    peaks: dict[int, int] = {}
+    with open(log, "w") as f:
+        started, t0 = time.time(), time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        sampler = None
+        if sample_rss:
+            sampler = threading.Thread(target=_sample_rss, args=(proc, peaks, 0.01), daemon=True)
+            sampler.start()
+        code = proc.wait()
+        wall = time.perf_counter() - t0
+        if sampler is not None:
+            sampler.join()
+    if code != 0:
+        tail = "".join(open(log).readlines()[-20:])
+        raise RuntimeError(f"{' '.join(cmd)} exited {code}; log {log}:\n{tail}")
+    with open(os.path.join(out_dir, "result.json")) as f:
+        result = json.load(f)
+    events = [json.loads(line) for p in glob.glob(os.path.join(out_dir, "progress", "rank*.jsonl"))
+              for line in open(p) if line.strip()]
+    return Run(wall_s=wall, started=started, result=result, events=events, peak_rss=peaks)
+
+
+def timed(cmd: list[str], **kw) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+    return time.perf_counter() - t0
+
+
+def torchrun_cmd(script: str, nproc: int) -> list[str]:
+    exe = Path(sys.executable).with_name("torchrun")
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    # --standalone: rendezvous on a free local port, so concurrent benchmarks never collide.
+    return [*base, "--standalone", f"--nproc_per_node={nproc}", script]
+
+
+def best(runs: list[Run]) -> Run:
+    return min(runs, key=lambda r: r.wall_s)
+
+
+def case_keys(layer: str, model: str, tp: int, local_t: int | None = None, *extra: str) -> list[str]:
+    keys = [f"layer={layer}", f"model={model}", f"tp={tp}", *extra]
+    return keys + ([f"local_t={local_t}"] if local_t is not None else [])
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def bench_launch(tmp: str, repeats: int) -> dict:
+    """`python -m launcher layer=swa tp=8 model=tiny` vs `torchrun --nproc_per_node 8` of a bare gloo script."""
+    script = os.path.join(tmp, "bare_gloo.py")
+    Path(script).write_text(TORCHRUN_SCRIPT)
+    ours, theirs = [], []
+    for i in range(repeats):  # alternated, so both sides see the same background load
+        ours.append(run_launcher(os.path.join(tmp, f"launch{i}"), case_keys("swa", "tiny", 8)))
+        theirs.append(timed(torchrun_cmd(script, 8), cwd=tmp))
+    # A multirun of the same case: the forkserver and the imports are paid once per sweep.
+    jobs = 4
+    sweep_dir = os.path.join(tmp, "sweep")
+    sweep = min(
+        timed([sys.executable, "-m", "launcher", "-m", *case_keys("swa", "tiny", 8), "golden_cache=null",
+               f"seed={','.join(str(s) for s in range(jobs))}", f"hydra.sweep.dir={sweep_dir}{i}"], cwd=ROOT)
+        for i in range(max(1, repeats // 2))
+    )
+    b = best(ours)
+    return {
+        "launcher_s": b.wall_s, "launcher_all_s": [r.wall_s for r in ours],
+        "torchrun_s": min(theirs), "torchrun_all_s": theirs,
+        "ratio": b.wall_s / min(theirs), "target": 0.4,
+        "phases": b.phases(), "stages": b.stage_walls(),
+        "sweep_jobs": jobs, "sweep_s": sweep, "sweep_per_job_s": sweep / jobs,
+        "sweep_marginal_s": (sweep - b.wall_s) / (jobs - 1),  # each job after the first
+    }
+
+
+def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) -> dict:
+    """The golden of every shard in this one process, shard by shard (one shard held at a time)."""
+    t_import = time.perf_counter()
+    import torch
+
+    from launcher import devices
+    from layers.case import Case
+    from layers.config import PRESETS
+    from layers.registry import get_layer
+
+    devices.set_reproducible_cpu_env()
+    torch.set_num_threads(threads)
+    lay = get_layer(layer)
+    case = Case(layer=layer, model=PRESETS[model], tp=tp, local_t=local_t, seed=20260819)
+    out = {"import_s": time.perf_counter() - t_import, "threads": threads, "fixture_s": [], "golden_s": [],
+           "fixture_transient_bytes": [], "golden_transient_bytes": []}
+    t = time.perf_counter()
+    wo_a, wo_b = lay.full_o_weights(case)
+    out["full_o_s"] = time.perf_counter() - t
+    for r in range(tp):
+        before = _reset_peak_rss()
+        t = time.perf_counter()
+        tensors = lay.rank_inputs(case, r)
+        out["fixture_s"].append(time.perf_counter() - t)
+        out["fixture_transient_bytes"].append(_status_bytes("VmHWM") - before)  # the slice included
+        tensors["wo_a"], tensors["wo_b"] = wo_a, wo_b
+        before = _reset_peak_rss()
+        t = time.perf_counter()
+        lay.golden(case.model, tensors)
+        out["golden_s"].append(time.perf_counter() - t)
+        out["golden_transient_bytes"].append(_status_bytes("VmHWM") - before)
+        del tensors
+    return out
+
+
+def _status_bytes(key: str) -> int:
+    m = re.search(rf"{key}:\s+(\d+) kB", open("/proc/self/status").read())
+    return int(m.group(1)) * 1024
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's VmHWM to its current RSS (Linux clear_refs 5); return that RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def run_golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) -> tuple[float, dict]:
+    cmd = [sys.executable, __file__, "golden-alone", f"--layer={layer}", f"--model={model}", f"--tp={tp}",
+           f"--local-t={local_t}", f"--threads={threads}"]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    return time.perf_counter() - t0, json.loads(out.strip().splitlines()[-1])
+
+
+def bench_flash(tmp: str, repeats: int, layer: str = "csa", tp: int = 2, local_t: int = 64) -> dict:
+    """End to end at flash dims vs the golden of the same shards computed alone in one process."""
+    e2e, alone = [], []
+    for i in range(repeats):
+        e2e.append(run_launcher(os.path.join(tmp, f"flash{i}"), case_keys(layer, "flash", tp, local_t)))
+        alone.append(run_golden_alone(layer, "flash", tp, local_t, CORES))
+    # Measured apart: the golden cache, filled by a first run, read by the next ones.
+    cache = os.path.join(tmp, "golden-cache")
+    keys = case_keys(layer, "flash", tp, local_t)
+    run_launcher(os.path.join(tmp, "flash-cache-fill"), keys, golden_cache=cache)
+    cached = best([run_launcher(os.path.join(tmp, f"flash-cached{i}"), keys, golden_cache=cache) for i in range(repeats)])
+    b = best(e2e)
+    a_wall, a = min(alone, key=lambda x: x[0])
+    golden_compute = sum(a["golden_s"])
+    walls = {**b.stage_walls(), **b.phases()}
+    del walls["stages"]
+    return {
+        "case": f"{layer} flash tp={tp} local_t={local_t}",
+        "e2e_s": b.wall_s, "e2e_all_s": [r.wall_s for r in e2e],
+        "golden_alone_process_s": a_wall, "golden_alone": a, "golden_alone_compute_s": golden_compute,
+        "ratio_vs_process": b.wall_s / a_wall, "ratio_vs_compute": b.wall_s / golden_compute, "target": 1.5,
+        "shares": {k: v / b.wall_s for k, v in walls.items()}, "walls": walls,
+        "rank_seconds": b.result.get("rank_seconds"),
+        "cached_e2e_s": cached.wall_s, "cached_golden_s": cached.stage_walls()["golden"],
+    }
+
+
+def _spec_bytes(specs: dict, names) -> int:
+    return sum(math.prod(specs[n].shape) * specs[n].dtype.itemsize for n in names)
+
+
+def working_set(layer: str, model: str, tp: int, local_t: int) -> dict:
+    """Bytes of the tensors one rank holds at once, from the layer's tensor inventory."""
+    from layers.base import Kind, PoolCheck
+    from layers.case import Case
+    from layers.config import PRESETS
+    from layers.registry import get_layer
+
+    lay = get_layer(layer)
+    case = Case(layer=layer, model=PRESETS[model], tp=tp, local_t=local_t, seed=20260819)
+    specs = lay.tensor_specs(case)
+    inputs = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
+    compared = lay.compared_names(case)
+    o_shard = _spec_bytes(specs, ("wo_a", "wo_b"))
+    mappings = sorted({c.mapping for c in lay.checks(case) if isinstance(c, PoolCheck)})
+    context = _spec_bytes(specs, mappings) + _spec_bytes(specs, [n for n in compared if specs[n].kind is Kind.INOUT])
+    fixture = _spec_bytes(specs, inputs)
+    outputs = _spec_bytes(specs, compared)
+    return {
+        "fixture": fixture,
+        # worker.golden_outputs: clones of every input, the O shards swapped for the full weights.
+        "golden_inputs": fixture - o_shard + tp * o_shard,
+        "outputs": 2 * outputs,  # the golden's and the implementation's
+        "context": context,  # pre-step pools and slot mappings kept for the comparators
+        "rank0_gathered": tp * (2 * outputs + context),  # stacked actual, golden, context
+    }
+
+
+def bench_memory(tmp: str, layers: list[str], tp: int = 4) -> dict:
+    """Per-rank peak RSS at flash dims vs the bytes the rank's tensors account for."""
+    base = run_launcher(os.path.join(tmp, "mem-tiny"), case_keys("swa", "tiny", tp), sample_rss=True)
+    baseline = min(base.peak_rss.values())  # interpreter + torch + launcher, tiny tensors
+    out = {"tp": tp, "baseline_bytes": baseline, "layers": {}}
+    for layer in layers:
+        run = run_launcher(os.path.join(tmp, f"mem-{layer}"), case_keys(layer, "flash", tp), sample_rss=True)
+        local_t = run.result["case"]["local_t"]
+        ws = working_set(layer, "flash", tp, local_t)
+        _, alone = run_golden_alone(layer, "flash", tp, local_t, max(1, CORES // tp))
+        # Measured in a process that builds the shards one after another: the maximum over
+        # shards (a later shard reuses heap the earlier one freed, and grows the RSS less).
+        ws["fixture_transient"] = max(alone["fixture_transient_bytes"])
+        ws["golden_transient"] = max(alone["golden_transient_bytes"])
+        out["layers"][layer] = {"local_t": local_t, "peak_rss": run.peak_rss, "working_set": ws,
+                                "golden_alone": {k: v for k, v in alone.items() if k.endswith("_bytes")}}
+    return out
+
+
+def bench_threads(tmp: str, repeats: int, layer: str = "csa", tp: int = 2, local_t: int = 64) -> dict:
+    """The rule (cores // ranks per node threads each) against every rank taking every core."""
+    rule = max(1, CORES // tp)
+    runs: dict[int, list[Run]] = {rule: [], CORES: []}
+    for i in range(repeats):
+        for th in runs:
+            keys = case_keys(layer, "flash", tp, local_t, f"threads_per_rank={th}")
+            runs[th].append(run_launcher(os.path.join(tmp, f"threads{th}-{i}"), keys))
+    return {"case": f"{layer} flash tp={tp} local_t={local_t}", "cores": CORES,
+            "walls": {th: best(rs).wall_s for th, rs in runs.items()},
+            "stages": {th: best(rs).stage_walls() for th, rs in runs.items()}}
+
+
+# What `loops` doubles, at tiny dims and tp=1, to find Python loops whose trip count grows
+# with it: the call count of a vectorised step does not change.
+LOOP_AXES = {
+    "tokens": lambda m: ({}, 2),
+    "heads": lambda m: ({"num_attention_heads": 2 * m.num_attention_heads, "index_n_heads": 2 * m.index_n_heads}, 1),
+    "cache rows": lambda m: ({"kv_ori_block_num": 2 * m.kv_ori_block_num, "kv_cmp_block_num": 2 * m.kv_cmp_block_num,
+                              "idx_cache_block_num": 2 * m.idx_cache_block_num}, 1),
+}
+
+
+def _calls(fn) -> int:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    return pstats.Stats(prof).total_calls
+
+
+def bench_loops(layers: list[str], local_t: int = 32) -> dict:
+    """Python function calls of fixture, golden and TP forward (tp=1) as each axis doubles."""
+    import torch
+
+    from layers.base import RankContext
+    from layers.case import Case
+    from layers.config import TINY
+    from layers.registry import get_layer
+
+    torch.set_num_threads(1)
+    out = {}
+    for layer in layers:
+        lay = get_layer(layer)
+
+        def counts(model, lt):
+            case = Case(layer=layer, model=model, tp=1, local_t=lt, seed=20260819)
+            lay.validate(case)
+            stages = {"fixture": _calls(lambda: lay.rank_inputs(case, 0))}
+            inputs = lay.rank_inputs(case, 0)
+            stages["golden"] = _calls(lambda: lay.golden(model, {n: t.clone() for n, t in inputs.items()}))
+            ctx = RankContext(case=case, rank=0, device=torch.device("cpu"), group=None)
+            stages["forward"] = _calls(lambda: lay.forward(ctx, {n: t.clone() for n, t in inputs.items()}))
+            return stages
+
+        base = counts(TINY, local_t)
+        out[layer] = {"base": base}
+        for axis, change in LOOP_AXES.items():
+            fields, t_factor = change(TINY)
+            out[layer][axis] = counts(TINY.replace(**fields), local_t * t_factor)
+    return out
+
+
+SCALING = {  # model -> (local_t for the tp sweep, tp of the local_t sweep, local_t values)
+    "tiny": (16, 2, (8, 16, 32, 64)),
+    "flash": (64, 2, (16, 32, 64, 128, 256)),
+}
+TPS = (1, 2, 4, 8)
+
+
+def bench_scaling(tmp: str, repeats: int, layers: list[str], models: list[str]) -> dict:
+    """Wall time vs tp at fixed tokens per rank, and vs local_t at fixed tp."""
+    out: dict = {"tp": {}, "local_t": {}, "setup": {m: SCALING[m] for m in models}}
+    for model in models:
+        lt_fixed, tp_fixed, lts = SCALING[model]
+        for layer in layers:
+            key = f"{model} {layer}"
+            walls_tp, walls_lt = {}, {}
+            for tp in TPS:
+                walls_tp[tp] = min(run_launcher(os.path.join(tmp, f"s-{model}-{layer}-tp{tp}-{i}"),
+                                                case_keys(layer, model, tp, lt_fixed)).wall_s for i in range(repeats))
+            for lt in lts:
+                if lt == lt_fixed and tp_fixed in walls_tp:
+                    walls_lt[lt] = walls_tp[tp_fixed]
+                    continue
+                walls_lt[lt] = min(run_launcher(os.path.join(tmp, f"s-{model}-{layer}-lt{lt}-{i}"),
+                                                case_keys(layer, model, tp_fixed, lt)).wall_s for i in range(repeats))
+            out["tp"][key], out["local_t"][key] = walls_tp, walls_lt
+    return out
+
+
+# -- the PNG plotter -------------------------------------------------------------------------------
+# 5x7 glyphs, rows top to bottom ("#" lit); characters without a glyph draw as blanks.
+_GLYPHS = {
+    "0": ".###. #...# #..## #.#.# ##..# #...# .###.", "1": "..#.. .##.. ..#.. ..#.. ..#.. ..#.. .###.",
+    "2": ".###. #...# ....# ...#. ..#.. .#... #####", "3": "##### ...#. ..#.. ...#. ....# #...# .###.",
+    "4": "...#. ..##. .#.#. #..#. ##### ...#. ...#.", "5": "##### #.... ####. ....# ....# #...# .###.",
+    "6": "..##. .#... #.... ####. #...# #...# .###.", "7": "##### ....# ...#. ..#.. .#... .#... .#...",
+    "8": ".###. #...# #...# .###. #...# #...# .###.", "9": ".###. #...# #...# .#### ....# ...#. .##..",
+    ".": "..... ..... ..... ..... ..... .##.. .##..", "=": "..... ..... ##### ..... ##### ..... .....",
+    "_": "..... ..... ..... ..... ..... ..... #####", "-": "..... ..... ..... ##### ..... ..... .....",
+    "(": "...#. ..#.. .#... .#... .#... ..#.. ...#.", ")": ".#... ..#.. ...#. ...#. ...#. ..#.. .#...",
+    ",": "..... ..... ..... ..... .##.. ..#.. .#...", ":": "..... .##.. .##.. ..... .##.. .##.. .....",
+    "/": "..... ....# ...#. ..#.. .#... #.... .....", "x": "..... ..... #...# .#.#. ..#.. .#.#. #...#",
+    "a": "..... ..... .###. ....# .#### #...# .####", "b": "#.... #.... #.##. ##..# #...# #...# ####.",
+    "c": "..... ..... .###. #.... #.... #...# .###.", "d": "....# ....# .##.# #..## #...# #...# .####",
+    "e": "..... ..... .###. #...# ##### #.... .###.", "f": "..##. .#..# .#... ###.. .#... .#... .#...",
+    "g": "..... .#### #...# #...# .#### ....# .###.", "h": "#.... #.... #.##. ##..# #...# #...# #...#",
+    "i": "..#.. ..... .##.. ..#.. ..#.. ..#.. .###.", "k": "#.... #.... #..#. #.#.. ##... #.#.. #..#.",
+    "l": ".##.. ..#.. ..#.. ..#.. ..#.. ..#.. .###.", "m": "..... ..... ##.#. #.#.# #.#.# #...# #...#",
+    "n": "..... ..... #.##. ##..# #...# #...# #...#", "o": "..... ..... .###. #...# #...# #...# .###.",
+    "p": "..... ####. #...# #...# ####. #.... #....", "r": "..... ..... #.##. ##..# #.... #.... #....",
+    "s": "..... ..... .###. #.... .###. ....# ####.", "t": ".#... .#... ###.. .#... .#... .#..# ..##.",
+    "u": "..... ..... #...# #...# #...# #..## .##.#", "v": "..... ..... #...# #...# #...# .#.#. ..#..",
+    "w": "..... ..... #...# #...# #.#.# #.#.# .#.#.", "y": "..... #...# #...# #...# .#### ....# .###.",
+}
+_COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
+
+
+class Canvas:
+    def __init__(self, width: int, height: int):
+        self.w, self.h = width, height
+        self.px = bytearray(b"\xff" * (width * height * 3))
+
+    def dot(self, x: int, y: int, rgb, r: int = 0) -> None:
+        for yy in range(y - r, y + r + 1):
+            for xx in range(x - r, x + r + 1):
+                if 0 <= xx < self.w and 0 <= yy < self.h:
+                    i = 3 * (yy * self.w + xx)
+                    self.px[i : i + 3] = bytes(rgb)
+
+    def line(self, x0: int, y0: int, x1: int, y1: int, rgb, r: int = 0) -> None:
+        n = max(abs(x1 - x0), abs(y1 - y0), 1)
+        for k in range(n + 1):
+            self.dot(round(x0 + (x1 - x0) * k / n), round(y0 + (y1 - y0) * k / n), rgb, r)
+
+    def text(self, x: int, y: int, s: str, rgb=(0, 0, 0), scale: int = 2) -> None:
+        for ch in s:
+            rows = _GLYPHS.get(ch, "")
+            for j, row in enumerate(rows.split()):
+                for i, c in enumerate(row):
+                    if c == "#":
+                        for dy in range(scale):
+                            for dx in range(scale):
+                                self.dot(x + i * scale + dx, y + j * scale + dy, rgb)
+            x += 6 * scale
+
+    def png(self) -> bytes:
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+        stride = 3 * self.w
+        raw = b"".join(b"\x00" + bytes(self.px[y * stride : (y + 1) * stride]) for y in range(self.h))
+        header = struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0)  # 8-bit RGB
+        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    ticks = []
+    for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1):
+        ticks += [m * 10.0**e for m in (1, 2, 5) if lo <= m * 10.0**e <= hi]
+    return ticks
+
+
+def plot_panel(c: Canvas, box: tuple[int, int, int, int], title: str, xlabel: str,
+               series: dict[str, dict], lo: float, hi: float) -> None:
+    """Wall time (log y) against a power-of-two x (log x), one line per series."""
+    x0, y0, x1, y1 = box
+    xs = sorted({int(x) for s in series.values() for x in s})
+    lx = [math.log2(x) for x in xs]
+    px = lambda x: x0 + round((math.log2(x) - lx[0]) / max(lx[-1] - lx[0], 1e-9) * (x1 - x0))  # noqa: E731
+    py = lambda v: y1 - round((math.log10(v) - math.log10(lo)) / (math.log10(hi) - math.log10(lo)) * (y1 - y0))  # noqa: E731
+    grey, black = (210, 210, 210), (0, 0, 0)
+    for t in _log_ticks(lo, hi):
+        c.line(x0, py(t), x1, py(t), grey)
+        label = f"{t:g}"
+        c.text(x0 - 8 - 12 * len(label), py(t) - 7, label)
+    for x in xs:
+        c.line(px(x), y0, px(x), y1, grey)
+        c.text(px(x) - 6 * len(str(x)), y1 + 8, str(x))
+    c.line(x0, y1, x1, y1, black)
+    c.line(x0, y0, x0, y1, black)
+    c.text(x0, y0 - 26, title)
+    c.text((x0 + x1) // 2 - 6 * len(xlabel), y1 + 30, xlabel)
+    for k, (name, pts) in enumerate(series.items()):
+        rgb = _COLOURS[k % len(_COLOURS)]
+        coords = [(px(int(x)), py(v)) for x, v in sorted(pts.items(), key=lambda kv: int(kv[0]))]
+        for (a, b), (p, q) in zip(coords, coords[1:]):
+            c.line(a, b, p, q, rgb, r=1)
+        for a, b in coords:
+            c.dot(a, b, rgb, r=3)
+        c.dot(x0 + 16, y0 + 14 + 22 * k, rgb, r=4)
+        c.text(x0 + 28, y0 + 7 + 22 * k, name, rgb)
+
+
+def write_scaling_png(path: str, scaling: dict) -> None:
+    values = [v for kind in ("tp", "local_t") for s in scaling[kind].values() for v in s.values()]
+    lo, hi = 10 ** math.floor(math.log10(min(values))), 10 ** math.ceil(math.log10(max(values)))
+    c = Canvas(1200, 480)
+    plot_panel(c, (90, 50, 570, 400), "wall s vs tp (local_t fixed)", "tp", scaling["tp"], lo, hi)
+    plot_panel(c, (700, 50, 1180, 400), "wall s vs local_t (tp=2)", "local_t", scaling["local_t"], lo, hi)
+    Path(path).write_bytes(c.png())
+
+
+# -- Markdown ----------------------------------------------------------------------------------------
+def _table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report_launch(r: dict) -> str:
+    ph = r["phases"]
+    rows = [
+        ["`python -m launcher layer=swa tp=8 model=tiny`", f"{r['launcher_s']:.2f}"],
+        ["`torchrun --nproc_per_node 8` (import torch, gloo init, one barrier)", f"{r['torchrun_s']:.2f}"],
+        ["**ratio** (target <= 0.4)", f"**{r['ratio']:.2f}**"],
+        ["launcher: start-up (imports, compose, forkserver, spawn, rendezvous)", f"{ph['start-up']:.2f}"],
+        ["launcher: ranks' stages (fixture .. compare)", f"{ph['stages']:.2f}"],
+        ["launcher: exit (agent shutdown, report)", f"{ph['exit']:.2f}"],
+        [f"multirun of {r['sweep_jobs']} such jobs: per job / each job after the first",
+         f"{r['sweep_per_job_s']:.2f} / {r['sweep_marginal_s']:.2f}"],
+    ]
+    return _table(["launch", "wall s (min)"], rows)
+
+
+def report_flash(r: dict) -> str:
+    a = r["golden_alone"]
+    rows = [[k, f"{v:.2f}", f"{100 * r['shares'][k]:.0f}%"] for k, v in r["walls"].items()]
+    rows += [
+        ["**end to end**", f"**{r['e2e_s']:.2f}**", "100%"],
+        [f"golden alone, one process ({a['threads']} threads): whole process", f"{r['golden_alone_process_s']:.2f}", ""],
+        ["  of which import", f"{a['import_s']:.2f}", ""],
+        ["  of which full O weights", f"{a['full_o_s']:.2f}", ""],
+        ["  of which fixture, per shard", " / ".join(f"{x:.2f}" for x in a["fixture_s"]), ""],
+        ["  of which golden, per shard", " / ".join(f"{x:.2f}" for x in a["golden_s"]), ""],
+        ["**ratio** end to end / golden-alone process (target <= 1.5)", f"**{r['ratio_vs_process']:.2f}**", ""],
+        ["ratio end to end / golden compute only", f"{r['ratio_vs_compute']:.2f}", ""],
+        ["end to end with a warm golden cache (golden stage)", f"{r['cached_e2e_s']:.2f} ({r['cached_golden_s']:.2f})", ""],
+    ]
+    return f"{r['case']}\n\n" + _table(["stage", "wall s", "share"], rows)
+
+
+def memory_estimate(ws: dict, rank: int) -> dict:
+    """What a rank holds at its three high-water points, above the torch baseline.
+
+    fixture stage: the slice and the builders' temporaries (measured); golden stage: the slice,
+    the golden's clones with the full O weights, and the golden's own temporaries (measured);
+    gather: both outputs, the comparators' context and, on rank 0, every rank's stacked.
+    """
+    golden = ws["golden_inputs"] + ws["golden_transient"]  # on top of the fixture slice
+    gather = ws["outputs"] + ws["context"] + (ws["rank0_gathered"] if rank == 0 else 0)
+    return {"fixture": ws["fixture_transient"], "golden": golden, "gather": gather,
+            "peak": max(ws["fixture_transient"], ws["fixture"] + golden, gather)}
+
+
+def report_memory(r: dict) -> str:
+    rows = []
+    for layer, m in r["layers"].items():
+        ws = m["working_set"]
+        for rank in sorted(m["peak_rss"], key=int):
+            est = memory_estimate(ws, int(rank))
+            rows.append([layer, rank, f"{m['peak_rss'][rank] / MB:.0f}", f"{r['baseline_bytes'] / MB:.0f}",
+                         f"{ws['fixture'] / MB:.0f}", f"{est['fixture'] / MB:.0f}", f"{est['golden'] / MB:.0f}",
+                         f"{est['gather'] / MB:.0f}", f"{(r['baseline_bytes'] + est['peak']) / MB:.0f}"])
+    head = ["layer", "rank", "peak RSS", "torch baseline", "fixture slice", "fixture stage (slice + temporaries)",
+            "golden working set", "gather working set", "baseline + max(fixture stage, slice + golden, gather)"]
+    return "MiB per rank\n\n" + _table(head, rows)
+
+
+def report_threads(r: dict) -> str:
+    rows = [[th, f"{w:.2f}"] for th, w in r["walls"].items()]
+    return f"{r['case']}, {r['cores']} cores\n\n" + _table(["threads per rank", "wall s"], rows)
+
+
+def report_loops(r: dict) -> str:
+    rows = []
+    for layer, m in r.items():
+        for stage in m["base"]:
+            rows.append([layer, stage, m["base"][stage]] + [f"{m[a][stage] - m['base'][stage]:+d}" for a in LOOP_AXES])
+    return _table(["layer", "stage", "Python calls (tiny, tp=1, local_t=32)"] + [f"doubling {a}" for a in LOOP_AXES], rows)
+
+
+def report_scaling(r: dict) -> str:
+    parts = []
+    for kind, label in (("tp", "tp"), ("local_t", "local_t")):
+        xs = sorted({int(x) for s in r[kind].values() for x in s})
+        rows = [[name] + [f"{s[x]:.2f}" if x in s else "" for x in xs] for name, s in r[kind].items()]
+        parts.append(_table([label] + [str(x) for x in xs], rows))
+    return "\n\n".join(parts)
+
+
+# -- command line ----------------------------------------------------------------------------------
+def _normalise(obj):
+    """JSON round trip so that integer keys read back the same way in reports and the plot."""
+    return json.loads(json.dumps(obj), object_hook=lambda d: {(int(k) if k.isdigit() else k): v for k, v in d.items()})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["all", "launch", "flash", "memory", "threads", "loops", "scaling", "golden-alone"])
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the minimum is reported")
+    ap.add_argument("--out", default=str(ROOT / "outputs" / "bench"), help="folder for bench.json and scaling.png")
+    ap.add_argument("--layers", default="swa,csa", help="layers of the memory and scaling benchmarks")
+    ap.add_argument("--models", default="tiny,flash", help="models of the scaling benchmark")
+    ap.add_argument("--layer", default="csa")
+    ap.add_argument("--model", default="flash")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--local-t", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=CORES)
+    args = ap.parse_args()
+    if args.what == "golden-alone":
+        print(json.dumps(golden_alone(args.layer, args.model, args.tp, args.local_t, args.threads)))
+        return 0
+    layers = args.layers.split(",")
+    todo = ["launch", "flash", "memory", "threads", "loops", "scaling"] if args.what == "all" else [args.what]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench.json")
+    results = json.load(open(path)) if os.path.isfile(path) else {}
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}, {CORES} cores, min of {args.repeats} runs, "
+          f"load average at start {os.getloadavg()[0]:.1f}\n", flush=True)
+    with tempfile.TemporaryDirectory(prefix="dsv4-bench-") as tmp:
+        for what in todo:
+            if what == "launch":
+                r = bench_launch(tmp, args.repeats)
+            elif what == "flash":
+                r = bench_flash(tmp, args.repeats, args.layer, args.tp, args.local_t)
+            elif what == "memory":
+                r = bench_memory(tmp, layers)
+            elif what == "threads":
+                r = bench_threads(tmp, args.repeats, args.layer, args.tp, args.local_t)
+            elif what == "loops":
+                r = bench_loops(["swa", "csa", "hca"])
+            else:
+                r = bench_scaling(tmp, args.repeats, layers, args.models.split(","))
+            r = _normalise(r)
+            results[what] = r
+            results[what + "_measured"] = {"at": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
+                                           "load": os.getloadavg()[0]}
+            with open(path, "w") as f:
+                json.dump(results, f, indent=1)
+            if what == "scaling":
+                write_scaling_png(os.path.join(args.out, "scaling.png"), r)
+            report = {"launch": report_launch, "flash": report_flash, "memory": report_memory,
+                      "threads": report_threads, "loops": report_loops, "scaling": report_scaling}[what]
+            print(f"## {what}\n\n{report(r)}\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
