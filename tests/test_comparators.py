@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import numpy as np
 import pytest
@@ -846,27 +845,18 @@ def test_compare_outputs_returns_json_ready_verdicts():
     assert d["per_rank"][0]["n_bad"] == 1 and d["figures"]["worst_bad"][0]["at"] == [0, 0, 0, 0]
 
 
-# -- speed at FLASH dims ----------------------------------------------------------------------
+# -- FLASH dims --------------------------------------------------------------------------------
 
 
-def best_of(n, fn):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        v = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), v
-
-
-def test_flash_dims_are_fast():
-    # x_out [P=8, t=64, HC=4, D=4096] fp32 (8.4M values) and a kv pool [8, 512, 32, 1, 512] bf16.
-    # Quiet-machine timings are ~0.2 s each; the bound only catches a loop over rows sneaking in.
+def test_flash_dims_compare_correctly():
+    # x_out [P=8, t=64, HC=4, D=4096] fp32 (8.4M values) and a kv pool [8, 512, 32, 1, 512] bf16:
+    # the comparators work at flash sizes (their speed is measured in scripts/bench.py, not here).
     g = torch.Generator().manual_seed(0)
     e = torch.randn(8, 64, 4, 4096, generator=g)
     a = e + torch.randn(e.shape, generator=g) * 1e-4
     x_cmp = ratio_reldiff(3e-3, 0.008, 1, rank_axis=True)
-    seconds, v = best_of(2, lambda: x_cmp.evaluate(a, e))
-    assert v.passed and seconds < 2.0
+    v = x_cmp.evaluate(a, e)
+    assert v.passed and v.figures["numel"] == e.numel()
     del a, e
     initial = torch.zeros(8, 512, 32, 1, 512, dtype=torch.bfloat16)
     m = torch.stack([torch.randperm(512 * 32, generator=g)[:64] for _ in range(8)])
@@ -875,5 +865,5 @@ def test_flash_dims_are_fast():
     a = e.clone()
     pool = build_comparator(PoolCheck("kv_cache", "m", 32, 1e-4, 1 / 128), mapping_shape=(8, 64), leading_rank_axis=True)
     inputs = {"m": m, initial_key("kv_cache"): initial}
-    seconds, v = best_of(2, lambda: pool.evaluate(a, e, inputs=inputs))
-    assert v.passed and seconds < 2.0
+    v = pool.evaluate(a, e, inputs=inputs)
+    assert v.passed and v.figures["n_written_rows"] == 8 * 64
