@@ -84,6 +84,26 @@ class RankContext:
         return self.case.tp
 
 
+def front_tensor_specs(model: ModelConfig, local_t: int) -> dict[str, TensorSpec]:
+    """The inputs every layer's front shares (hc_pre, RMSNorm, Q/KV projection), spec order."""
+    m, t, d, hd, ql = model, local_t, model.hidden_size, model.head_dim, model.q_lora_rank
+    hhd = m.num_attention_heads * hd
+    f32, bf16, i = torch.float32, torch.bfloat16, Kind.INPUT
+    return {
+        "x_hc": TensorSpec((t, m.hc_mult, d), f32, i),
+        "hc_attn_fn": TensorSpec((m.mix_hc, m.hc_dim), f32, i),
+        "hc_attn_scale": TensorSpec((3,), f32, i),
+        "hc_attn_base": TensorSpec((m.mix_hc,), f32, i),
+        "attn_norm_w": TensorSpec((d,), bf16, i),
+        "wq_a": TensorSpec((d, ql), bf16, i),
+        "wq_b": TensorSpec((ql, hhd), torch.int8, i),
+        "wq_b_scale": TensorSpec((hhd,), f32, i),
+        "wkv": TensorSpec((d, hd), bf16, i),
+        "gamma_cq": TensorSpec((ql,), bf16, i),
+        "gamma_ckv": TensorSpec((hd,), bf16, i),
+    }
+
+
 class Layer(abc.ABC):
     name: ClassVar[str]
     # The golden projects with the full O weights (`full_o_weights`) in place of the rank's

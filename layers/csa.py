@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, csa_compressor, csa_fixture, hc, indexer, metadata, output_half, qkv, tp
-from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec
+from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig
 
@@ -292,17 +292,7 @@ class CSALayer(Layer):
         f32_, bf16_, i8, i32, i64 = torch.float32, torch.bfloat16, torch.int8, torch.int32, torch.int64
         inp, io_ = Kind.INPUT, Kind.INOUT
         return {
-            "x_hc": TensorSpec((t, m.hc_mult, d), f32_, inp),
-            "hc_attn_fn": TensorSpec((m.mix_hc, m.hc_dim), f32_, inp),
-            "hc_attn_scale": TensorSpec((3,), f32_, inp),
-            "hc_attn_base": TensorSpec((m.mix_hc,), f32_, inp),
-            "attn_norm_w": TensorSpec((d,), bf16_, inp),
-            "wq_a": TensorSpec((d, ql), bf16_, inp),
-            "wq_b": TensorSpec((ql, h * hd), i8, inp),
-            "wq_b_scale": TensorSpec((h * hd,), f32_, inp),
-            "wkv": TensorSpec((d, hd), bf16_, inp),
-            "gamma_cq": TensorSpec((ql,), bf16_, inp),
-            "gamma_ckv": TensorSpec((hd,), bf16_, inp),
+            **front_tensor_specs(m, t),
             "freqs_cos": TensorSpec((m.max_position_embeddings, r), bf16_, inp),
             "freqs_sin": TensorSpec((m.max_position_embeddings, r), bf16_, inp),
             "cmp_wkv": TensorSpec((mo, d), bf16_, inp),

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, fixture, hc, hca_compressor, metadata, output_half, qkv, rope, tp
-from .base import Check, Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec
+from .base import Check, Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig, ceil_div
 from .numerics import bf16, f32, quant_weight_int8
@@ -551,23 +551,13 @@ class HCALayer(Layer):
     def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
         m = case.model
         t, b, d, hd, od = case.local_t, case.batch, m.hidden_size, m.head_dim, hca_compressor.out_dim(m)
-        half, ql, hhd = m.qk_rope_head_dim // 2, m.q_lora_rank, m.num_attention_heads * m.head_dim
+        half = m.qk_rope_head_dim // 2
         f32_, bf16_, i8, i32, i64 = torch.float32, torch.bfloat16, torch.int8, torch.int32, torch.int64
         i, io, o = Kind.INPUT, Kind.INOUT, Kind.OUTPUT
         pool = (m.block_size, 1, hd)
         lg = case.local_o_groups
         return {
-            "x_hc": TensorSpec((t, m.hc_mult, d), f32_, i),
-            "hc_attn_fn": TensorSpec((m.mix_hc, m.hc_dim), f32_, i),
-            "hc_attn_scale": TensorSpec((3,), f32_, i),
-            "hc_attn_base": TensorSpec((m.mix_hc,), f32_, i),
-            "attn_norm_w": TensorSpec((d,), bf16_, i),
-            "wq_a": TensorSpec((d, ql), bf16_, i),
-            "wq_b": TensorSpec((ql, hhd), i8, i),
-            "wq_b_scale": TensorSpec((hhd,), f32_, i),
-            "wkv": TensorSpec((d, hd), bf16_, i),
-            "gamma_cq": TensorSpec((ql,), bf16_, i),
-            "gamma_ckv": TensorSpec((hd,), bf16_, i),
+            **front_tensor_specs(m, t),
             "freqs_cos": TensorSpec((t, m.qk_rope_head_dim), bf16_, i),
             "freqs_sin": TensorSpec((t, m.qk_rope_head_dim), bf16_, i),
             "cmp_freqs_cos": TensorSpec((capacity_batch(case), half), f32_, i),

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, fixture, hc, metadata, output_half, qkv, rope, tp
-from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec
+from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig, ceil_div
 from .numerics import bf16, quant_weight_int8
@@ -274,21 +274,11 @@ class SWALayer(Layer):
     def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
         m, t = case.model, case.local_t
         d, h, hd, r = m.hidden_size, m.num_attention_heads, m.head_dim, m.qk_rope_head_dim
-        ql, ol, lg = m.q_lora_rank, m.o_lora_rank, case.local_o_groups
+        ol, lg = m.o_lora_rank, case.local_o_groups
         f32_, bf16_, i8, i32, i64 = torch.float32, torch.bfloat16, torch.int8, torch.int32, torch.int64
         inp = Kind.INPUT
         return {
-            "x_hc": TensorSpec((t, m.hc_mult, d), f32_, inp),
-            "hc_attn_fn": TensorSpec((m.mix_hc, m.hc_dim), f32_, inp),
-            "hc_attn_scale": TensorSpec((3,), f32_, inp),
-            "hc_attn_base": TensorSpec((m.mix_hc,), f32_, inp),
-            "attn_norm_w": TensorSpec((d,), bf16_, inp),
-            "wq_a": TensorSpec((d, ql), bf16_, inp),
-            "wq_b": TensorSpec((ql, h * hd), i8, inp),
-            "wq_b_scale": TensorSpec((h * hd,), f32_, inp),
-            "wkv": TensorSpec((d, hd), bf16_, inp),
-            "gamma_cq": TensorSpec((ql,), bf16_, inp),
-            "gamma_ckv": TensorSpec((hd,), bf16_, inp),
+            **front_tensor_specs(m, t),
             "freqs_cos": TensorSpec((t, r), bf16_, inp),
             "freqs_sin": TensorSpec((t, r), bf16_, inp),
             "kv_cache": TensorSpec((m.kv_ori_block_num, m.block_size, 1, hd), bf16_, Kind.INOUT),

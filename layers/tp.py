@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import output_half, registry
+from . import output_half
 from .base import RankContext
 from .numerics import bf16
 
