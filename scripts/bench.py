@@ -641,6 +641,18 @@ def _normalise(obj):
     return json.loads(json.dumps(obj), object_hook=lambda d: {(int(k) if k.isdigit() else k): v for k, v in d.items()})
 
 
+def merge_min(old: dict, new: dict) -> dict:
+    """Scaling walls: per point, the minimum of this invocation's and the stored figures."""
+    out = {"setup": new["setup"]}
+    for kind in ("tp", "local_t"):
+        out[kind] = {}
+        for name in set(old.get(kind, {})) | set(new[kind]):
+            a, b = old.get(kind, {}).get(name, {}), new[kind].get(name, {})
+            out[kind][name] = {x: min(v for v in (a.get(x), b.get(x)) if v is not None) for x in set(a) | set(b)}
+        out[kind] = dict(sorted(out[kind].items(), key=lambda kv: list(new[kind]).index(kv[0]) if kv[0] in new[kind] else 99))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["all", "launch", "flash", "memory", "threads", "loops", "scaling", "golden-alone"])
@@ -653,6 +665,8 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--local-t", type=int, default=64)
     ap.add_argument("--threads", type=int, default=CORES)
+    ap.add_argument("--merge", action="store_true",
+                    help="scaling: keep, per point, the minimum with the figures already in bench.json")
     args = ap.parse_args()
     if args.what == "golden-alone":
         print(json.dumps(golden_alone(args.layer, args.model, args.tp, args.local_t, args.threads)))
@@ -679,6 +693,8 @@ def main() -> int:
             else:
                 r = bench_scaling(tmp, args.repeats, layers, args.models.split(","))
             r = _normalise(r)
+            if what == "scaling" and args.merge and "scaling" in results:
+                r = merge_min(_normalise(results["scaling"]), r)
             results[what] = r
             results[what + "_measured"] = {"at": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats,
                                            "load": os.getloadavg()[0]}
