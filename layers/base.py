@@ -104,6 +104,21 @@ def front_tensor_specs(model: ModelConfig, local_t: int) -> dict[str, TensorSpec
     }
 
 
+def tail_tensor_specs(case: Case) -> dict[str, TensorSpec]:
+    """The tensors every layer ends with: the sink, the rank's O-projection shards, the
+    `local_t` scalar and the pure output x_out (spec order)."""
+    m, t, lg = case.model, case.local_t, case.local_o_groups
+    d, ol, i = m.hidden_size, m.o_lora_rank, Kind.INPUT
+    return {
+        "attn_sink": TensorSpec((m.num_attention_heads,), torch.float32, i),
+        "wo_a": TensorSpec((lg, ol, m.group_in), torch.bfloat16, i),
+        "wo_b": TensorSpec((d, lg * ol), torch.int8, i),
+        "wo_b_scale": TensorSpec((d,), torch.float32, i),
+        "local_t": TensorSpec((), torch.int32, i),
+        "x_out": TensorSpec((t, m.hc_mult, d), torch.float32, Kind.OUTPUT),
+    }
+
+
 class Layer(abc.ABC):
     name: ClassVar[str]
     # The golden projects with the full O weights (`full_o_weights`) in place of the rank's

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, csa_compressor, csa_fixture, hc, indexer, metadata, output_half, qkv, tp
-from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs
+from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig
 
@@ -285,8 +285,8 @@ class CSALayer(Layer):
 
     def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
         m, t, b = case.model, case.local_t, case.batch
-        d, h, hd, r = m.hidden_size, m.num_attention_heads, m.head_dim, m.qk_rope_head_dim
-        ql, ol, lg = m.q_lora_rank, m.o_lora_rank, case.local_o_groups
+        d, hd, r = m.hidden_size, m.head_dim, m.qk_rope_head_dim
+        ql = m.q_lora_rank
         ih, idd, mo, io = m.index_n_heads, m.index_head_dim, csa_fixture.main_out(m), csa_fixture.inner_out(m)
         bs, sb, w = m.block_size, m.c4a_state_block_size, m.sliding_window
         f32_, bf16_, i8, i32, i64 = torch.float32, torch.bfloat16, torch.int8, torch.int32, torch.int64
@@ -326,12 +326,7 @@ class CSALayer(Layer):
             "inner_state_slot_mapping": TensorSpec((t,), i64, inp),
             "position_ids": TensorSpec((t,), i32, inp),
             "kv_seq_lens": TensorSpec((b,), i32, inp),
-            "attn_sink": TensorSpec((h,), f32_, inp),
-            "wo_a": TensorSpec((lg, ol, m.group_in), bf16_, inp),
-            "wo_b": TensorSpec((d, lg * ol), i8, inp),
-            "wo_b_scale": TensorSpec((d,), f32_, inp),
-            "local_t": TensorSpec((), i32, inp),
-            "x_out": TensorSpec((t, m.hc_mult, d), f32_, Kind.OUTPUT),
+            **tail_tensor_specs(case),
         }
 
     def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, fixture, hc, hca_compressor, metadata, output_half, qkv, rope, tp
-from .base import Check, Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs
+from .base import Check, Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig, ceil_div
 from .numerics import bf16, f32, quant_weight_int8
@@ -552,10 +552,9 @@ class HCALayer(Layer):
         m = case.model
         t, b, d, hd, od = case.local_t, case.batch, m.hidden_size, m.head_dim, hca_compressor.out_dim(m)
         half = m.qk_rope_head_dim // 2
-        f32_, bf16_, i8, i32, i64 = torch.float32, torch.bfloat16, torch.int8, torch.int32, torch.int64
-        i, io, o = Kind.INPUT, Kind.INOUT, Kind.OUTPUT
+        f32_, bf16_, i32, i64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
+        i, io = Kind.INPUT, Kind.INOUT
         pool = (m.block_size, 1, hd)
-        lg = case.local_o_groups
         return {
             **front_tensor_specs(m, t),
             "freqs_cos": TensorSpec((t, m.qk_rope_head_dim), bf16_, i),
@@ -578,12 +577,7 @@ class HCALayer(Layer):
             "state_slot_mapping": TensorSpec((t,), i64, i),
             "position_ids": TensorSpec((t,), i32, i),
             "kv_seq_lens": TensorSpec((b,), i32, i),
-            "attn_sink": TensorSpec((m.num_attention_heads,), f32_, i),
-            "wo_a": TensorSpec((lg, m.o_lora_rank, m.group_in), bf16_, i),
-            "wo_b": TensorSpec((d, lg * m.o_lora_rank), i8, i),
-            "wo_b_scale": TensorSpec((d,), f32_, i),
-            "local_t": TensorSpec((), i32, i),
-            "x_out": TensorSpec((t, m.hc_mult, d), f32_, o),
+            **tail_tensor_specs(case),
         }
 
     def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, fixture, hc, metadata, output_half, qkv, rope, tp
-from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs
+from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig, ceil_div
 from .numerics import bf16, quant_weight_int8
@@ -273,9 +273,8 @@ class SWALayer(Layer):
 
     def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
         m, t = case.model, case.local_t
-        d, h, hd, r = m.hidden_size, m.num_attention_heads, m.head_dim, m.qk_rope_head_dim
-        ol, lg = m.o_lora_rank, case.local_o_groups
-        f32_, bf16_, i8, i32, i64 = torch.float32, torch.bfloat16, torch.int8, torch.int32, torch.int64
+        hd, r = m.head_dim, m.qk_rope_head_dim
+        bf16_, i32, i64 = torch.bfloat16, torch.int32, torch.int64
         inp = Kind.INPUT
         return {
             **front_tensor_specs(m, t),
@@ -286,12 +285,7 @@ class SWALayer(Layer):
             "swa_indices": TensorSpec((t, m.sliding_window), i32, inp),
             "swa_lens": TensorSpec((t,), i32, inp),
             "position_ids": TensorSpec((t,), i32, inp),
-            "attn_sink": TensorSpec((h,), f32_, inp),
-            "wo_a": TensorSpec((lg, ol, m.group_in), bf16_, inp),
-            "wo_b": TensorSpec((d, lg * ol), i8, inp),
-            "wo_b_scale": TensorSpec((d,), f32_, inp),
-            "local_t": TensorSpec((), i32, inp),
-            "x_out": TensorSpec((t, m.hc_mult, d), f32_, Kind.OUTPUT),
+            **tail_tensor_specs(case),
         }
 
     def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
