@@ -171,4 +171,4 @@ def main() -> None:
         print(f"error: {one_line(text)}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
     _end_composition()
-    sys.exit(max(_exit_codes, default=EXIT_ERROR))
+    sys.exit(max(_exit_codes, default=EXIT_PASS))  # no job: --help, --cfg and the like only print

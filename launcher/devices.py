@@ -65,18 +65,6 @@ def check_devices(backend: str, nproc_per_node: int) -> None:
         )
 
 
-# MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and
-# machines; the reference snapshots were made with the AVX2 code path in strict
-# (run-to-run reproducible) mode. MKL reads this once, at its first GEMM, so it must be in the
-# environment before any rank (or the pytest process) multiplies anything.
-CPU_REPRODUCIBLE_ENV = {"MKL_CBWR": "AVX2,STRICT"}
-
-
-def set_reproducible_cpu_env() -> None:
-    for key, value in CPU_REPRODUCIBLE_ENV.items():
-        os.environ.setdefault(key, value)
-
-
 def collective_timeout_env(backend: str, timeout_s: float) -> dict[str, str]:
     """Environment that maps the run's timeout onto the backend's own watchdogs."""
     seconds = str(max(1, int(timeout_s)))

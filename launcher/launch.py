@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import multiprocessing
 import os
 import re
 import signal
@@ -24,13 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from . import devices
+from . import devices, forkserver
 from .schema import RunSpec
 from .worker import progress_path, rank_main
-
-# Imported by the forkserver once, so that each rank starts without re-importing torch.
-PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.worker", "layers.swa", "layers.csa", "layers.hca",
-           "layers.scopes", "layers.stages", "launcher.bisect"]
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause.
@@ -205,9 +200,10 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     log_root = os.path.join(spec.output_dir, "logs")
     os.makedirs(log_root, exist_ok=True)
     run_id = run_id_of(spec)
-    devices.set_reproducible_cpu_env()  # inherited by the forkserver and every rank
     if spec.start_method == "forkserver":
-        multiprocessing.set_forkserver_preload(PRELOAD)
+        forkserver.start()  # a no-op when `python -m launcher` already started it
+    else:
+        forkserver.set_reproducible_cpu_env()  # inherited by every rank
     # The agent logs every worker failure itself; our report names the root cause instead.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."

@@ -35,7 +35,7 @@ from hydra.utils import instantiate
 from layers.base import Kind, PoolCheck, RankContext
 from layers.scopes import get_scope
 
-from . import bisect, devices, faults, golden_cache, heatmap, snapshot
+from . import bisect, devices, faults, forkserver, golden_cache, heatmap, snapshot
 from .comparators import build_comparator, initial_key
 from .schema import RunSpec
 
@@ -191,7 +191,7 @@ def rank_main(spec: RunSpec):
     # A rank that outlives its deadline (hung outside any collective) dumps every thread's
     # stack into its stderr log and exits, so a run can never hang forever.
     faulthandler.dump_traceback_later(spec.deadline_s, exit=True)
-    devices.set_reproducible_cpu_env()  # under an external torchrun nothing set it before
+    forkserver.set_reproducible_cpu_env()  # under an external torchrun nothing set it before
     case = spec.case
     if tp != case.tp:
         raise RuntimeError(f"WORLD_SIZE={tp} but the config asks for tp={case.tp}")

@@ -213,12 +213,12 @@ def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) ->
     t_import = time.perf_counter()
     import torch
 
-    from launcher import devices
+    from launcher import forkserver
     from layers.case import Case
     from layers.config import PRESETS
     from layers.registry import get_layer
 
-    devices.set_reproducible_cpu_env()
+    forkserver.set_reproducible_cpu_env()
     torch.set_num_threads(threads)
     lay = get_layer(layer)
     case = Case(layer=layer, model=PRESETS[model], tp=tp, local_t=local_t, seed=20260819)

@@ -61,3 +61,30 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
     assert message in lines[0]
     assert not (tmp_path / "out" / "logs").exists()  # nothing was launched
+
+
+@pytest.mark.parametrize(
+    "argv, starts",
+    [
+        (["layer=csa", "tp=8"], True),
+        (["-m", "tp=1,2"], True),
+        (["start_method=forkserver"], True),
+        (["start_method=spawn"], False),
+        (["--help"], False),
+        (["--cfg", "job"], False),
+        (["--cfg=job"], False),
+        (["-c", "job"], False),
+        (["--info"], False),
+    ],
+)
+def test_forkserver_is_started_early_only_for_a_run_that_uses_it(argv, starts):
+    from launcher.__main__ import _launches_by_forkserver
+
+    assert _launches_by_forkserver(argv) is starts
+
+
+def test_print_only_flags_print_and_exit_0(tmp_path):
+    p = run_cli(["--cfg", "job", "layer=csa", "tp=4"], tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "\ntp: 4\n" in p.stdout and "layer:\n  name: csa\n" in p.stdout
+    assert not (tmp_path / "out").exists()
