@@ -52,6 +52,11 @@ def _entry(root: str, ident: dict) -> Path:
     return Path(root) / f"{ident['layer']}-tp{ident['tp']}-r{ident['rank']}-{key}.pt"
 
 
+def exists(root: str, ident: dict) -> bool:
+    """Whether an entry is stored (`load` may still miss: a damaged entry is a miss)."""
+    return _entry(root, ident).is_file()
+
+
 def load(root: str, ident: dict) -> dict[str, torch.Tensor] | None:
     path = _entry(root, ident)
     if not path.is_file():

@@ -136,14 +136,25 @@ def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dic
     return {n: out[n] for n in layer.compared_names(case)}
 
 
-def cached_golden(spec: RunSpec, layer, inputs, rank: int) -> tuple[dict[str, torch.Tensor], bool]:
-    """The golden from the on-disk cache when its identity matches, else computed (and stored)."""
+def golden_is_computed(spec: RunSpec, layer, rank: int) -> bool:
+    """Whether this rank computes a golden with full O weights from its own fixture (so the
+    fixture builds them with the shard) rather than replaying or reading the cache."""
+    if spec.golden_data or not layer.sharded_o_weights:
+        return False
+    if spec.golden_cache is None:
+        return True
+    return not golden_cache.exists(spec.golden_cache, golden_cache.identity(spec.case, rank, spec.threads()))
+
+
+def cached_golden(spec: RunSpec, layer, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], bool]:
+    """The golden from the on-disk cache when its identity matches, else computed (and stored).
+    `wo_full`: the full O weights when the fixture built them already."""
     def full_o_weights():
         if not layer.sharded_o_weights:
             return None
         if spec.golden_data is not None:  # replay: the full O weights are the snapshot's shards
             return snapshot.full_o_weights(spec.golden_data)
-        return layer.full_o_weights(spec.case)
+        return wo_full if wo_full is not None else layer.full_o_weights(spec.case)
 
     if spec.golden_data is not None or spec.golden_cache is None:
         return golden_outputs(layer, spec.case, inputs, full_o_weights()), False
@@ -250,8 +261,11 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
     with stage("fixture"):
+        wo_full = None
         if spec.golden_data:
             inputs = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs)
+        elif golden_is_computed(spec, layer, rank):  # the O weights drawn once for both
+            inputs, wo_full = layer.rank_inputs_and_full_o(case, rank)
         else:
             inputs = layer.rank_inputs(case, rank)
         impl = instantiate(spec.impl)
@@ -262,7 +276,8 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         if spec.golden_data:
             references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
         if not spec.golden_data or spec.recompute_golden:
-            references["golden"], cache_hit = cached_golden(spec, layer, inputs, rank)
+            references["golden"], cache_hit = cached_golden(spec, layer, inputs, rank, wo_full)
+        del wo_full
         context = {n: inputs[n].clone() for n in mappings}
         context.update({initial_key(n): inputs[n].clone() for n in inout})
     if spec.save_data:

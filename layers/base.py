@@ -141,6 +141,11 @@ class Layer(abc.ABC):
     def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         """The unsharded `(wo_a [G, OL, GI], wo_b [D, G*OL])` the golden projects with."""
 
+    def rank_inputs_and_full_o(self, case: Case, rank: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """`rank_inputs` and `full_o_weights` together, for a rank that computes its golden.
+        This default builds them apart; `layers.o_weights` draws the O weights once."""
+        return self.rank_inputs(case, rank), self.full_o_weights(case)
+
     @abc.abstractmethod
     def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The TP1 layer on one rank's tensors with full O weights; in-outs updated in place."""

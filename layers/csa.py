@@ -23,9 +23,10 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, csa_compressor, csa_fixture, hc, indexer, metadata, output_half, qkv, tp
-from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .base import Kind, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig
+from .o_weights import LayerDrawingOWeights
 
 COMPRESS_RATIO = csa_compressor.COMPRESS_RATIO
 # gen_shared_weight (indexer wq_b fixture) works on 128×128 blocks.
@@ -247,8 +248,9 @@ def stacked_inputs(case: Case) -> dict[str, torch.Tensor]:
     return {n: stacked[n] for n, spec in LAYER.tensor_specs(case).items() if spec.kind is not Kind.OUTPUT}
 
 
-class CSALayer(Layer):
+class CSALayer(LayerDrawingOWeights):
     name = "csa"
+    o_recipe = csa_fixture.O_RECIPE
 
     def validate(self, case: Case) -> None:
         case.validate()
@@ -329,14 +331,8 @@ class CSALayer(Layer):
             **tail_tensor_specs(case),
         }
 
-    def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
-        built = csa_fixture.rank_tensors(case, rank)
-        built["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
-        return {n: built[n] for n, spec in self.tensor_specs(case).items() if spec.kind is not Kind.OUTPUT}
-
-    def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-        wo_a, wo_b, _ = csa_fixture.full_o_weights(case)
-        return wo_a, wo_b
+    def rank_inputs_without_o(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
+        return {**csa_fixture.rank_tensors(case, rank), "local_t": torch.tensor(case.local_t, dtype=torch.int32)}
 
     def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return golden_decode_csa_tp1(model, tensors)

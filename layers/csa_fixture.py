@@ -8,9 +8,9 @@ the int8 indexer cache), the value recipes of every weight (§6.5, weights quant
 from zero, §6.7) including `gen_shared_weight` for the indexer's wq_b, and the Sylvester
 Hadamard matrix.
 
-Two code paths build the same bits: `rank_tensors(case, rank)` materializes only what rank r
-holds (its requests' metadata rows, its O-weight shards, its x_hc rows; pools and replicated
-weights are its own replicated copies), `stacked_tensors(case)` builds the whole global
+Two code paths build the same bits: `rank_tensors(case, rank)` with `O_RECIPE` materializes
+only what rank r holds (its requests' metadata rows, its O-weight shards, its x_hc rows; pools
+and replicated weights are its own replicated copies), `stacked_tensors(case)` builds the whole global
 fixture at once and slices it as the reference does (§7.1). Every random tensor has its own
 key (`layers.fixture`): replicated tensors are keyed without the rank, x_hc per global
 request, wo_a per output group and wo_b per group column block, so no rank replays another
@@ -30,6 +30,7 @@ from . import fixture, metadata, rope
 from .case import Case
 from .config import ConfigError, ModelConfig, ceil_div
 from .numerics import bf16, f32, int8_quant_per_row, quant_weight_int8
+from .o_weights import OWeightRecipe
 
 COMPRESS_RATIO = 4
 COFF = 2  # overlapping compressor: every position feeds two compressed slots
@@ -325,7 +326,7 @@ def gen_shared_weight(out_features: int, in_features: int, dequant_std: float, c
 def replicated_weights(case: Case) -> dict[str, torch.Tensor]:
     """Every weight, norm, table and fixed vector all ranks hold identically (§6.5), but wo_b_scale.
 
-    wo_b_scale comes with the wo_b blocks (`wo_b_blocks_and_scale`, `full_o_weights`).
+    wo_b_scale comes with the O weights (`O_RECIPE`).
     """
     m, seed = case.model, case.seed
     d, ql, h, hd = m.hidden_size, m.q_lora_rank, m.num_attention_heads, m.head_dim
@@ -383,38 +384,8 @@ def wo_b_block(case: Case, g: int) -> torch.Tensor:
     return bf16(fixture.randn((m.hidden_size, m.o_lora_rank), case.seed, "wo_b", g) * std)
 
 
-def wo_b_blocks_and_scale(case: Case, keep) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The int8 column blocks `keep` of wo_b and the full per-row scale [D].
-
-    The scale is over the whole row (all G groups) and never re-derived per shard (§6.7), so
-    the blocks are streamed once for the row amax and only the kept ones are retained. A kept
-    block is quantized together with a column holding the row amax: the quantizer then sees
-    the full row's amax, and every element gets exactly the full-row result.
-    """
-    m = case.model
-    amax = torch.zeros(m.hidden_size, 1)
-    kept = {}
-    for g in range(m.o_groups):
-        block = wo_b_block(case, g)
-        amax = torch.maximum(amax, f32(block).abs().amax(dim=1, keepdim=True))
-        if g in keep:
-            kept[g] = block
-    blocks = []
-    for g in keep:
-        q, _ = quant_weight_int8(torch.cat((f32(kept[g]), amax), dim=1), axis=-1, half_away_from_zero=True)
-        blocks.append(q[:, :-1])
-    _, scale = quant_weight_int8(amax, axis=-1, half_away_from_zero=True)
-    return blocks, scale
-
-
-def full_o_weights(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(wo_a [G, OL, GI], wo_b [D, G·OL], wo_b_scale [D])`, wo_b quantized over whole rows at once."""
-    g = case.model.o_groups
-    wo_a = torch.stack([wo_a_group(case, i) for i in range(g)])
-    wo_b, wo_b_scale = quant_weight_int8(
-        torch.cat([wo_b_block(case, i) for i in range(g)], dim=1), axis=-1, half_away_from_zero=True
-    )
-    return wo_a, wo_b, wo_b_scale
+# A rank's O weights: drawn per group / column block, quantized half away from zero (§6.7).
+O_RECIPE = OWeightRecipe(wo_a_group, wo_b_block, half_away_from_zero=True)
 
 
 def x_hc_request(case: Case, b: int) -> torch.Tensor:
@@ -425,12 +396,13 @@ def x_hc_request(case: Case, b: int) -> torch.Tensor:
 
 # -- the two builders --------------------------------------------------------------------------
 def rank_tensors(case: Case, rank: int) -> dict[str, torch.Tensor]:
-    """Rank r's inputs and in-out initial values, without materializing other ranks' slices.
+    """Rank r's inputs and in-out initial values but its O weights (`O_RECIPE`), without
+    materializing other ranks' slices.
 
     The state tables are allocated over the whole group batch (their greedy allocation and
     the replicated pools' history rows depend on every request), then only rank r's rows kept.
     """
-    b, lg = case.batch, case.local_o_groups
+    b = case.batch
     starts = global_starts(case)
     own = slice(rank * b, (rank + 1) * b)
     main_table, inner_table = state_tables(case, starts)
@@ -443,10 +415,6 @@ def rank_tensors(case: Case, rank: int) -> dict[str, torch.Tensor]:
     tensors.update(replicated_pools(case, starts, main_table, inner_table))
     tensors.update(request_metadata(case.model, positions, tables))
     tensors["x_hc"] = torch.cat([x_hc_request(case, i) for i in range(own.start, own.stop)])
-    groups = range(rank * lg, (rank + 1) * lg)
-    tensors["wo_a"] = torch.stack([wo_a_group(case, g) for g in groups])
-    blocks, tensors["wo_b_scale"] = wo_b_blocks_and_scale(case, groups)
-    tensors["wo_b"] = torch.cat(blocks, dim=1)
     return tensors
 
 
@@ -467,7 +435,7 @@ def stacked_tensors(case: Case) -> dict[str, torch.Tensor]:
     tables["compress_state_block_table"], tables["inner_compress_state_block_table"] = main_table, inner_table
     shared = replicated_weights(case)
     shared.update(replicated_pools(case, starts, main_table, inner_table))
-    wo_a, wo_b, shared["wo_b_scale"] = full_o_weights(case)
+    wo_a, wo_b, shared["wo_b_scale"] = O_RECIPE.whole(case)
 
     stacked = {n: v.reshape(p, -1, *v.shape[1:]) for n, v in request_metadata(m, positions, tables).items()}
     stacked.update({n: v.unsqueeze(0).expand(p, *v.shape).clone() for n, v in shared.items()})

@@ -29,10 +29,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, fixture, hc, hca_compressor, metadata, output_half, qkv, rope, tp
-from .base import Check, Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .base import Check, Kind, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig, ceil_div
 from .numerics import bf16, f32, quant_weight_int8
+from .o_weights import LayerDrawingOWeights, OWeightRecipe
 
 RATIO = hca_compressor.COMPRESS_RATIO
 # hc_attn scale / base of the real layer-9 HCA block (hca.md §6.1; fixed, no RNG).
@@ -285,28 +286,6 @@ def _wo_b_block(case: Case, g: int) -> torch.Tensor:
     return bf16(_draw(case, (m.hidden_size, m.o_lora_rank), "wo_b", g) / width**0.5)
 
 
-def _wo_b_shard(case: Case, groups: range) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 columns of `groups` of the per-row quantized wo_b, and the full-row scale.
-
-    The per-row amax spans every group, so all group blocks are streamed for it, keeping only
-    the owned ones. Quantizing an owned block with one extra column holding the full-row amax
-    gives exactly the full row's scale (the extra column is the row max) and its codes.
-    """
-    amax = None
-    owned = []
-    for g in range(case.model.o_groups):
-        block = _wo_b_block(case, g)
-        block_amax = f32(block).abs().amax(dim=-1, keepdim=True)
-        amax = block_amax if amax is None else torch.maximum(amax, block_amax)
-        if g in groups:
-            owned.append(block)
-    codes, scale = [], None
-    for block in owned:
-        q, scale = quant_weight_int8(torch.cat((f32(block), amax), dim=1), axis=-1)
-        codes.append(q[:, :-1])
-    return torch.cat(codes, dim=1), scale
-
-
 def _replicated_values(case: Case) -> dict[str, torch.Tensor]:
     """The canonical fixture's random and constant tensors (identical on every rank)."""
     m = case.model
@@ -357,7 +336,7 @@ def stacked_inputs(case: Case) -> dict[str, torch.Tensor]:
     stacked.update({n: torch.stack([md[n] for md in per_rank]) for n in per_rank[0]})
     offsets = torch.arange(p, dtype=torch.float32)[:, None, None, None] * X_HC_RANK_OFFSET
     stacked["x_hc"] = _x_hc_base(case)[None] + offsets
-    wo_a, wo_b, wo_b_scale = _full_o(case)
+    wo_a, wo_b, wo_b_scale = LAYER.o_recipe.whole(case)
     lg = case.local_o_groups
     stacked["wo_a"] = wo_a.reshape(p, lg, m.o_lora_rank, m.group_in)
     stacked["wo_b"] = wo_b.reshape(m.hidden_size, p, lg * m.o_lora_rank).permute(1, 0, 2).contiguous()
@@ -365,14 +344,6 @@ def stacked_inputs(case: Case) -> dict[str, torch.Tensor]:
     # The one scalar is not stacked (validation.md §2.2).
     stacked["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
     return _ordered(case, stacked)
-
-
-def _full_o(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unsharded wo_a [G, OL, GI] bf16, wo_b [D, G*OL] int8 and wo_b_scale [D], quantized whole."""
-    g = range(case.model.o_groups)
-    wo_a = torch.stack([_wo_a_group(case, i) for i in g])
-    wo_b, wo_b_scale = quant_weight_int8(torch.cat([_wo_b_block(case, i) for i in g], dim=1), axis=-1)
-    return wo_a, wo_b, wo_b_scale
 
 
 # -- the layer computation (hca.md §4, §7.1) --------------------------------------------------
@@ -521,8 +492,9 @@ def _outputs(tensors: dict[str, torch.Tensor], x_out: torch.Tensor) -> dict[str,
     return {"x_out": x_out, **{n: tensors[n] for n in ("compress_state", "kv_cache", "cmp_kv")}}
 
 
-class HCALayer(Layer):
+class HCALayer(LayerDrawingOWeights):
     name = "hca"
+    o_recipe = OWeightRecipe(_wo_a_group, _wo_b_block)
 
     def validate(self, case: Case) -> None:
         case.validate()
@@ -580,22 +552,12 @@ class HCALayer(Layer):
             **tail_tensor_specs(case),
         }
 
-    def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
+    def rank_inputs_without_o(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
         values = _replicated_values(case)
         values.update(rank_metadata(case, rank_starts(case, rank)))
         values["x_hc"] = _x_hc_base(case) + rank * X_HC_RANK_OFFSET
         values["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
-        lg = case.local_o_groups
-        groups = range(rank * lg, (rank + 1) * lg)
-        values["wo_a"] = torch.stack([_wo_a_group(case, g) for g in groups])
-        values["wo_b"], values["wo_b_scale"] = _wo_b_shard(case, groups)
-        return _ordered(case, values)
-
-    def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-        # Streamed per group like a rank's shard (bounded fp32 temporaries: every rank builds
-        # these for its golden); `stacked_inputs` quantizes the whole matrix instead.
-        groups = range(case.model.o_groups)
-        return torch.stack([_wo_a_group(case, g) for g in groups]), _wo_b_shard(case, groups)[0]
+        return values
 
     def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return golden_decode_hca_tp1(model, tensors)

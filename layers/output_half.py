@@ -33,17 +33,18 @@ def sharded_o_proj(
     lg, u, gi = x_local_groups.shape
     d = wo_b_r.shape[0]
     ol = wo_a_r.shape[1]
-    a, w = f32(x_local_groups), f32(wo_a_r)
+    a = f32(x_local_groups)
     # Y[lg, u, r] = Σ_i A·wo_a: bf16 operands widened, fp32 GEMMs batched over groups, K in
     # blocks of WO_A_K_BLOCK whose partials are added in ascending order (a loop over a few
     # K blocks: the order is the point). The blocking is for bit parity with the reference:
     # its golden einsum, as run for the snapshots, sums K that way. Measured at GI = 256
     # (swa/csa-tp2-64 both ranks, hca-tp2-64 rank 1): two 128-wide blocks reproduce x_out
-    # bit for bit; one 256-wide GEMM flips int8 codes / amax ulps of a few tokens.
+    # bit for bit; one 256-wide GEMM flips int8 codes / amax ulps of a few tokens. wo_a is
+    # widened one K block at a time: the golden's full fp32 wo_a would be 128 MiB at flash.
     y = None
     for k0 in range(0, gi, WO_A_K_BLOCK):
         k = slice(k0, k0 + WO_A_K_BLOCK)
-        part = torch.matmul(a[..., k], w[..., k].transpose(1, 2))  # [LG, U, OL]
+        part = torch.matmul(a[..., k], f32(wo_a_r[..., k]).transpose(1, 2))  # [LG, U, OL]
         y = part if y is None else y + part
     # Per (group, token) quantization over the OL lora outputs: never across groups, which
     # is what makes the projection shardable by group.

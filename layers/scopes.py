@@ -445,9 +445,8 @@ class TP1Scope(_Scope):
         return specs
 
     def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
-        inputs = self.layer.rank_inputs(case, rank)
-        inputs["wo_a"], inputs["wo_b"] = self.layer.full_o_weights(case)  # wo_b_scale is already the full one's
-        return inputs
+        inputs, (inputs["wo_a"], inputs["wo_b"]) = self.layer.rank_inputs_and_full_o(case, rank)
+        return inputs  # wo_b_scale is already the full one's
 
     def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layer.full_o_weights(case)

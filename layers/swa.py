@@ -20,10 +20,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import attention, fixture, hc, metadata, output_half, qkv, rope, tp
-from .base import Kind, Layer, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .base import Kind, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .case import Case
 from .config import ConfigError, ModelConfig, ceil_div
 from .numerics import bf16, quant_weight_int8
+from .o_weights import LayerDrawingOWeights, OWeightRecipe
 
 # "Real layer-0 SWA" hc values (§7.2); hc_attn_fn is synthetic N(0, 1)·HC_FN_SCALE.
 HC_ATTN_SCALE = (2.076026, 0.018729, 0.245936)
@@ -189,38 +190,6 @@ def _wo_b_block(case: Case, g: int) -> torch.Tensor:
     return bf16(fixture.randn((m.hidden_size, m.o_lora_rank), case.seed, "wo_b", g) / width**0.5)
 
 
-def _rank_o_weights(case: Case, rank: int) -> dict[str, torch.Tensor]:
-    """Rank r's wo_a / wo_b shards (§5.1) and the replicated wo_b_scale, streamed per group."""
-    lg = case.local_o_groups
-    own = range(rank * lg, (rank + 1) * lg)
-    # wo_b is quantized per row over all G·OL columns: stream the blocks for the row amax,
-    # keeping only this rank's.
-    amax = None
-    kept = []
-    for g in range(case.model.o_groups):
-        block = _wo_b_block(case, g)
-        block_amax = block.abs().amax(dim=1, keepdim=True)
-        amax = block_amax if amax is None else torch.maximum(amax, block_amax)
-        if g in own:
-            kept.append(block)
-    # A column holding the full row's amax (a bf16 value of the row, so exact) makes the
-    # quantizer see the amax of all G·OL columns; it is dropped after.
-    wo_b_r, wo_b_scale = quant_weight_int8(torch.cat(kept + [amax], dim=1), axis=-1)
-    return {
-        "wo_a": torch.stack([_wo_a_group(case, g) for g in own]),
-        "wo_b": wo_b_r[:, :-1].contiguous(),
-        "wo_b_scale": wo_b_scale,
-    }
-
-
-def _full_o_weights(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The unsharded `(wo_a [G, OL, GI] bf16, wo_b [D, G·OL] int8, wo_b_scale [D] fp32)`."""
-    groups = range(case.model.o_groups)
-    wo_a = torch.stack([_wo_a_group(case, g) for g in groups])
-    wo_b, wo_b_scale = quant_weight_int8(torch.cat([_wo_b_block(case, g) for g in groups], dim=1), axis=-1)
-    return wo_a, wo_b, wo_b_scale
-
-
 def stacked_inputs(case: Case) -> dict[str, torch.Tensor]:
     """The rank-stacked fixture `[P, ...]` built from the full O weights (§7.6 step 4).
 
@@ -229,7 +198,7 @@ def stacked_inputs(case: Case) -> dict[str, torch.Tensor]:
     """
     p, lg = case.tp, case.local_o_groups
     m = case.model
-    wo_a, wo_b, wo_b_scale = _full_o_weights(case)
+    wo_a, wo_b, wo_b_scale = LAYER.o_recipe.whole(case)
     replicated = _replicated_weights(case)
     ranks = [_rank_tensors(case, r) for r in range(p)]
     stacked = {n: torch.stack([replicated[n]] * p) for n in REPLICATED}
@@ -240,8 +209,9 @@ def stacked_inputs(case: Case) -> dict[str, torch.Tensor]:
     return {n: stacked[n] for n, spec in LAYER.tensor_specs(case).items() if spec.kind is not Kind.OUTPUT}
 
 
-class SWALayer(Layer):
+class SWALayer(LayerDrawingOWeights):
     name = "swa"
+    o_recipe = OWeightRecipe(_wo_a_group, _wo_b_block)
 
     def validate(self, case: Case) -> None:
         case.validate()
@@ -288,13 +258,8 @@ class SWALayer(Layer):
             **tail_tensor_specs(case),
         }
 
-    def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
-        built = {**_replicated_weights(case), **_rank_tensors(case, rank), **_rank_o_weights(case, rank)}
-        return {n: built[n] for n, spec in self.tensor_specs(case).items() if spec.kind is not Kind.OUTPUT}
-
-    def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-        wo_a, wo_b, _ = _full_o_weights(case)
-        return wo_a, wo_b
+    def rank_inputs_without_o(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
+        return {**_replicated_weights(case), **_rank_tensors(case, rank)}
 
     def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return golden_decode_swa_tp1(model, tensors)

@@ -58,3 +58,30 @@ def test_two_runs_started_differently_give_identical_fixtures_and_verdicts(tp_ru
                                                   y.view(torch.uint8) if y.dtype == torch.bfloat16 else y), name
     strip = lambda r: [(v["tensor"], v["passed"], v["figures"]["n_bad"], v["figures"]["max_abs_diff"]) for v in r.result["verdicts"]]  # noqa: E731
     assert strip(a) == strip(b)
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("scope", ["full", "tp1"])
+@pytest.mark.parametrize("layer", ["swa", "csa", "hca"])
+def test_o_weights_drawn_once_are_the_streamed_shard_and_full_weights(layer, scope):
+    """The golden-computing rank's fixture (one draw of the O weights, the shard sliced from
+    the full ones) is bit for bit the streamed shard plus the separately built full weights."""
+    from layers.case import Case
+    from layers.config import TINY
+    from layers.scopes import get_scope
+
+    lay = get_scope(layer, scope)
+    case = Case(layer, TINY, 4, 32, 11)
+    inputs, (wo_a, wo_b) = lay.rank_inputs_and_full_o(case, 2)
+    streamed = lay.rank_inputs(case, 2)
+    assert list(inputs) == list(streamed)
+    assert all(_same_bits(inputs[n], streamed[n]) for n in streamed), [n for n in streamed if not _same_bits(inputs[n], streamed[n])]
+    full_a, full_b = lay.full_o_weights(case)
+    assert _same_bits(wo_a, full_a) and _same_bits(wo_b, full_b)
+    lg, ol = case.local_o_groups, TINY.o_lora_rank
+    if scope == "full":  # the shard is the rank's own groups of the full weights, not another rank's
+        assert _same_bits(inputs["wo_a"], full_a[2 * lg : 3 * lg]) and not _same_bits(inputs["wo_a"], full_a[lg : 2 * lg])
+        assert _same_bits(inputs["wo_b"], full_b[:, 2 * lg * ol : 3 * lg * ol].contiguous())
