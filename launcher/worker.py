@@ -117,10 +117,13 @@ def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int,
     for name in names:
         t = tensors[name].detach().to(device).contiguous()
         wire = t.reshape(-1).view(torch.uint8)
-        bufs = [torch.empty_like(wire) for _ in range(tp)] if rank == 0 else None
-        dist.gather(wire, bufs, dst=0)
-        if rank == 0:
-            gathered[name] = torch.stack([b.cpu().view(t.dtype).reshape(t.shape) for b in bufs])
+        if rank != 0:
+            dist.gather(wire, None, dst=0)
+            continue
+        # Received straight into the rows of one [tp, bytes] tensor: no per-rank buffers to stack.
+        stacked = torch.empty((tp, wire.numel()), dtype=torch.uint8, device=device)
+        dist.gather(wire, list(stacked.unbind(0)), dst=0)
+        gathered[name] = stacked.cpu().view(t.dtype).reshape(tp, *t.shape)
     return gathered
 
 

@@ -333,7 +333,7 @@ def replicated_weights(case: Case) -> dict[str, torch.Tensor]:
     ih, idd, mo, io = m.index_n_heads, m.index_head_dim, main_out(m), inner_out(m)
 
     def rn(shape, name, std=1.0, mean=0.0):
-        return fixture.randn(shape, seed, name) * std + mean
+        return fixture.randn(shape, seed, name).mul_(std).add_(mean)
 
     ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
     wq_b, wq_b_scale = quant_weight_int8(bf16(rn((ql, h * hd), "wq_b", ql**-0.5)), axis=0, half_away_from_zero=True)
@@ -374,14 +374,14 @@ def replicated_weights(case: Case) -> dict[str, torch.Tensor]:
 def wo_a_group(case: Case, g: int) -> torch.Tensor:
     """Output group g of wo_a, bf16 [OL, GI] (`randn/√GI`), drawn on its own key."""
     m = case.model
-    return bf16(fixture.randn((m.o_lora_rank, m.group_in), case.seed, "wo_a", g) * m.group_in**-0.5)
+    return bf16(fixture.randn((m.o_lora_rank, m.group_in), case.seed, "wo_a", g).mul_(m.group_in**-0.5))
 
 
 def wo_b_block(case: Case, g: int) -> torch.Tensor:
     """Column block g of wo_b before quantization, bf16 [D, OL] (`randn/√(G·OL)`)."""
     m = case.model
     std = (m.o_groups * m.o_lora_rank) ** -0.5
-    return bf16(fixture.randn((m.hidden_size, m.o_lora_rank), case.seed, "wo_b", g) * std)
+    return bf16(fixture.randn((m.hidden_size, m.o_lora_rank), case.seed, "wo_b", g).mul_(std))
 
 
 # A rank's O weights: drawn per group / column block, quantized half away from zero (§6.7).

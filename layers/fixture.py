@@ -3,7 +3,8 @@
 Every random tensor gets its own generator, seeded from the run seed and a key naming the
 tensor (and the rank, or the output group, for per-rank and sharded tensors). A rank can thus
 draw exactly its own slice, in any order, without replaying anyone else's stream, and two
-processes that ask for the same key get the same bits.
+processes that ask for the same key get the same bits. Every draw is a fresh tensor, which
+the recipes scale in place (`.div_`, `.mul_`): a flash weight has no full-size temporaries.
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ def _normalized_cache(case: Case, name: str, pages: int) -> torch.Tensor:
 def _wq_b_block(case: Case, g: int) -> torch.Tensor:
     """Columns of output group g of bf16(randn(QL, H*HD) / sqrt(QL))."""
     m = case.model
-    return bf16(_draw(case, (m.q_lora_rank, m.group_in), "wq_b", g) / m.q_lora_rank**0.5)
+    return bf16(_draw(case, (m.q_lora_rank, m.group_in), "wq_b", g).div_(m.q_lora_rank**0.5))
 
 
 def _wq_b(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,14 +276,14 @@ def _wq_b(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _wo_a_group(case: Case, g: int) -> torch.Tensor:
     m = case.model
-    return bf16(_draw(case, (m.o_lora_rank, m.group_in), "wo_a", g) / m.group_in**0.5)
+    return bf16(_draw(case, (m.o_lora_rank, m.group_in), "wo_a", g).div_(m.group_in**0.5))
 
 
 def _wo_b_block(case: Case, g: int) -> torch.Tensor:
     """Columns `g*OL .. (g+1)*OL-1` of bf16(randn(D, G*OL) / sqrt(G*OL))."""
     m = case.model
     width = m.o_groups * m.o_lora_rank
-    return bf16(_draw(case, (m.hidden_size, m.o_lora_rank), "wo_b", g) / width**0.5)
+    return bf16(_draw(case, (m.hidden_size, m.o_lora_rank), "wo_b", g).div_(width**0.5))
 
 
 def _replicated_values(case: Case) -> dict[str, torch.Tensor]:
@@ -296,14 +296,14 @@ def _replicated_values(case: Case) -> dict[str, torch.Tensor]:
         "hc_attn_scale": torch.tensor(HC_ATTN_SCALE, dtype=torch.float32),
         "hc_attn_base": torch.tensor(HC_ATTN_BASE, dtype=torch.float32),
         "attn_norm_w": torch.ones(d, dtype=torch.bfloat16),
-        "wq_a": bf16(_draw(case, (d, m.q_lora_rank), "wq_a") / d**0.5),
+        "wq_a": bf16(_draw(case, (d, m.q_lora_rank), "wq_a").div_(d**0.5)),
         "wq_b": wq_b,
         "wq_b_scale": wq_b_scale,
-        "wkv": bf16(_draw(case, (d, hd), "wkv") / d**0.5),
+        "wkv": bf16(_draw(case, (d, hd), "wkv").div_(d**0.5)),
         "gamma_cq": torch.ones(m.q_lora_rank, dtype=torch.bfloat16),
         "gamma_ckv": torch.ones(hd, dtype=torch.bfloat16),
-        "cmp_wkv": bf16(_draw(case, (od, d), "cmp_wkv") * CMP_WKV_STD),
-        "cmp_wgate": bf16(_draw(case, (od, d), "cmp_wgate") * CMP_WGATE_STD),
+        "cmp_wkv": bf16(_draw(case, (od, d), "cmp_wkv").mul_(CMP_WKV_STD)),
+        "cmp_wgate": bf16(_draw(case, (od, d), "cmp_wgate").mul_(CMP_WGATE_STD)),
         "cmp_ape": _draw(case, (RATIO, od), "cmp_ape") * CMP_APE_STD,
         "cmp_norm_w": bf16(CMP_NORM_W_MEAN + CMP_NORM_W_STD * _draw(case, (hd,), "cmp_norm_w")),
         # Zeros in both halves: never-written rows enter a pooling window as (kv 0, score 0).

@@ -144,16 +144,16 @@ def _replicated_weights(case: Case) -> dict[str, torch.Tensor]:
     """The `REPLICATED` tensors (§7.1 recipes)."""
     m, seed = case.model, case.seed
     d, ql, h, hd = m.hidden_size, m.q_lora_rank, m.num_attention_heads, m.head_dim
-    wq_b, wq_b_scale = quant_weight_int8(bf16(fixture.randn((ql, h * hd), seed, "wq_b") / ql**0.5), axis=0)
+    wq_b, wq_b_scale = quant_weight_int8(bf16(fixture.randn((ql, h * hd), seed, "wq_b").div_(ql**0.5)), axis=0)
     return {
-        "hc_attn_fn": fixture.randn((m.mix_hc, m.hc_dim), seed, "hc_attn_fn") * HC_FN_SCALE,
+        "hc_attn_fn": fixture.randn((m.mix_hc, m.hc_dim), seed, "hc_attn_fn").mul_(HC_FN_SCALE),
         "hc_attn_scale": torch.tensor(HC_ATTN_SCALE, dtype=torch.float32),
         "hc_attn_base": torch.tensor(HC_ATTN_BASE, dtype=torch.float32),
         "attn_norm_w": torch.ones(d, dtype=torch.bfloat16),
-        "wq_a": bf16(fixture.randn((d, ql), seed, "wq_a") / d**0.5),
+        "wq_a": bf16(fixture.randn((d, ql), seed, "wq_a").div_(d**0.5)),
         "wq_b": wq_b,
         "wq_b_scale": wq_b_scale,
-        "wkv": bf16(fixture.randn((d, hd), seed, "wkv") / d**0.5),
+        "wkv": bf16(fixture.randn((d, hd), seed, "wkv").div_(d**0.5)),
         "gamma_cq": torch.ones(ql, dtype=torch.bfloat16),
         "gamma_ckv": torch.ones(hd, dtype=torch.bfloat16),
         "attn_sink": torch.zeros(h, dtype=torch.float32),
@@ -180,14 +180,14 @@ def _rank_tensors(case: Case, rank: int) -> dict[str, torch.Tensor]:
 
 def _wo_a_group(case: Case, g: int) -> torch.Tensor:
     m = case.model
-    return bf16(fixture.randn((m.o_lora_rank, m.group_in), case.seed, "wo_a", g) / m.group_in**0.5)
+    return bf16(fixture.randn((m.o_lora_rank, m.group_in), case.seed, "wo_a", g).div_(m.group_in**0.5))
 
 
 def _wo_b_block(case: Case, g: int) -> torch.Tensor:
     """Columns `[g·OL, (g+1)·OL)` of the bf16 wo_b [D, G·OL] before quantization."""
     m = case.model
     width = m.o_groups * m.o_lora_rank
-    return bf16(fixture.randn((m.hidden_size, m.o_lora_rank), case.seed, "wo_b", g) / width**0.5)
+    return bf16(fixture.randn((m.hidden_size, m.o_lora_rank), case.seed, "wo_b", g).div_(width**0.5))
 
 
 def stacked_inputs(case: Case) -> dict[str, torch.Tensor]:
