@@ -66,7 +66,7 @@ def build_result(spec: RunSpec, outcome: LaunchOutcome, *, wall_s: float) -> dic
     primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
     result.update(
         status="ok", passed=bool(r["passed"]), reference=primary, verdicts=r["comparisons"][primary],
-        rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
+        rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
         golden_data=spec.golden_data, save_data=spec.save_data,
     )
     if r.get("bisect") is not None:
@@ -125,7 +125,9 @@ def render(result: dict) -> str:
         return "\n".join(lines)
     secs = result["rank_seconds"]
     stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in STAGES if any(s in (r or {}) for r in secs)]
-    lines.append("stages (s, slowest rank): " + " | ".join(stage_cells))
+    rss = result.get("rank_peak_rss_mib") or []
+    peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
+    lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
     lines.append(_reference_line(result))
     lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:

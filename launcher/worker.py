@@ -24,7 +24,9 @@ import faulthandler
 import json
 import logging
 import os
+import resource
 import socket
+import sys
 import time
 from contextlib import contextmanager
 
@@ -301,7 +303,8 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         expected = {src: gather_to_rank0(ref, compared, rank, tp, device) for src, ref in references.items()}
         context = gather_to_rank0(context, sorted(context), rank, tp, device)
         stats = [None] * tp if rank == 0 else None
-        dist.gather_object({"seconds": stage.seconds, "golden_cache_hit": cache_hit}, stats, dst=0)
+        dist.gather_object({"seconds": stage.seconds, "golden_cache_hit": cache_hit, "peak_rss_mib": peak_rss_mib()},
+                           stats, dst=0)
     comparisons = None
     if rank == 0:
         with stage("compare"):
@@ -318,14 +321,21 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
             located = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
     if rank != 0:
         return {"passed": verdict[0], "comparisons": None}
-    stats[0]["seconds"] = stage.seconds
+    stats[0].update(seconds=stage.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
     return {
         "passed": verdict[0],
         "bisect": located,
         "comparisons": comparisons,
         "rank_seconds": [s["seconds"] for s in stats],
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache_hit"]],
+        "rank_peak_rss_mib": [s["peak_rss_mib"] for s in stats],
     }
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def _starts(stacked_inputs: dict, case) -> list | None:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+
+from layers.case import Case
+from layers.config import PRESETS
+from layers.registry import get_layer
 
 from . import defects
 
@@ -29,6 +35,11 @@ def test_tiny_below_capacity(tp_run):
 def test_flash_tp2(tp_run):
     run = tp_run(layer="swa", tp=2, model="flash", local_t=64)
     assert run.passed, run
+    # Each rank's peak RSS is reported, and holds at least the rank's fixture slice.
+    case = Case("swa", PRESETS["flash"], 2, 64, 0)
+    slice_mib = sum(math.prod(s.shape) * s.dtype.itemsize for s in get_layer("swa").tensor_specs(case).values()) / 2**20
+    rss = run.result["rank_peak_rss_mib"]
+    assert len(rss) == 2 and all(slice_mib < r < 8 * 1024 for r in rss), (rss, slice_mib)
 
 
 @pytest.mark.parametrize(
