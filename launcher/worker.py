@@ -19,8 +19,10 @@ traceback for the launcher's failure report.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -113,18 +115,22 @@ def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int,
     """Stack every rank's tensor of each name on rank 0 (CPU), bit-exact for every dtype.
 
     Tensors travel as raw bytes, which every backend supports and which keeps bf16 exact.
-    Every rank has the same shapes by construction (checked before the gather).
+    Every rank has the same shapes by construction (checked before the gather). Rank 0
+    receives each peer's bytes straight into its row of the stacked tensor: gloo's gather
+    would receive into a flat buffer of the same size first and copy from it.
     """
     gathered = {}
     for name in names:
         t = tensors[name].detach().to(device).contiguous()
         wire = t.reshape(-1).view(torch.uint8)
         if rank != 0:
-            dist.gather(wire, None, dst=0)
+            dist.send(wire, dst=0)
             continue
-        # Received straight into the rows of one [tp, bytes] tensor: no per-rank buffers to stack.
         stacked = torch.empty((tp, wire.numel()), dtype=torch.uint8, device=device)
-        dist.gather(wire, list(stacked.unbind(0)), dst=0)
+        receives = [dist.irecv(stacked[src], src=src) for src in range(1, tp)]
+        stacked[0].copy_(wire)
+        for r in receives:
+            r.wait()
         gathered[name] = stacked.cpu().view(t.dtype).reshape(tp, *t.shape)
     return gathered
 
@@ -298,8 +304,10 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         faults.on_outputs(spec.fault, rank, outputs, case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with stage("gather"):
+        del tensors, inputs  # what the outputs do not alias is freed before rank 0 stacks
+        release_freed_memory()  # glibc keeps freed heap resident; the stacks are new mappings
         actual = gather_to_rank0(outputs, compared, rank, tp, device)
-        del tensors, outputs, inputs
+        del outputs
         expected = {src: gather_to_rank0(ref, compared, rank, tp, device) for src, ref in references.items()}
         context = gather_to_rank0(context, sorted(context), rank, tp, device)
         stats = [None] * tp if rank == 0 else None
@@ -330,6 +338,22 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache_hit"]],
         "rank_peak_rss_mib": [s["peak_rss_mib"] for s in stats],
     }
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (AttributeError, OSError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them for reuse), so that the resident
+    set is what the process holds now. A no-op where malloc is not glibc's."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def peak_rss_mib() -> float:
