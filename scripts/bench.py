@@ -249,7 +249,12 @@ def _status_bytes(key: str) -> int:
 
 
 def _reset_peak_rss() -> int:
-    """Reset this process's VmHWM to its current RSS (Linux clear_refs 5); return that RSS."""
+    """Hand freed heap back to the OS, then reset this process's VmHWM to its current RSS
+    (Linux clear_refs 5); return that RSS. Without the trim a stage would reuse heap an
+    earlier one freed and its transient would read too low (and vary from run to run)."""
+    from launcher.worker import release_freed_memory
+
+    release_freed_memory()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status_bytes("VmRSS")
@@ -308,13 +313,15 @@ def working_set(layer: str, model: str, tp: int, local_t: int) -> dict:
     compared = lay.compared_names(case)
     o_shard = _spec_bytes(specs, ("wo_a", "wo_b"))
     mappings = sorted({c.mapping for c in lay.checks(case) if isinstance(c, PoolCheck)})
+    inout = _spec_bytes(specs, [n for n, s in specs.items() if s.kind is Kind.INOUT])
     context = _spec_bytes(specs, mappings) + _spec_bytes(specs, [n for n in compared if specs[n].kind is Kind.INOUT])
     fixture = _spec_bytes(specs, inputs)
     outputs = _spec_bytes(specs, compared)
     return {
         "fixture": fixture,
-        # worker.golden_outputs: clones of every input, the O shards swapped for the full weights.
-        "golden_inputs": fixture - o_shard + tp * o_shard,
+        # Beside the slice: the full O weights (drawn with it) and worker.golden_outputs' clones
+        # of the in-out tensors; the pure inputs are shared with the slice.
+        "golden_inputs": inout + tp * o_shard,
         "outputs": 2 * outputs,  # the golden's and the implementation's
         "context": context,  # pre-step pools and slot mappings kept for the comparators
         "rank0_gathered": tp * (2 * outputs + context),  # stacked actual, golden, context
