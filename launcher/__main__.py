@@ -1,4 +1,4 @@
-import logging
+import atexit
 import os
 import sys
 
@@ -15,11 +15,13 @@ def _launches_by_forkserver(argv: list[str]) -> bool:
 
 def _exit_now(code) -> None:
     """Exit without the interpreter's teardown (torch's module and library destructors take a
-    third of a second): every rank has exited and the report and result.json are written."""
+    third of a second): every rank has exited and the report and result.json are written.
+    The exit handlers still run (a few ms): logging's flushes the logs, multiprocessing's
+    removes the forkserver's socket folder, which would otherwise stay behind in the temp dir."""
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    logging.shutdown()
+    atexit._run_exitfuncs()  # what a normal exit runs first; stdlib, but without a public name
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)

@@ -1,4 +1,5 @@
-"""Bad input gets one clear line and exit status 2 before any rank is started."""
+"""The command line: bad input gets one clear line and exit status 2 before any rank is started;
+print-only flags launch nothing; a run leaves nothing behind in the temp dir."""
 
 from __future__ import annotations
 
@@ -88,3 +89,15 @@ def test_print_only_flags_print_and_exit_0(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "\ntp: 4\n" in p.stdout and "layer:\n  name: csa\n" in p.stdout
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("impl, code", [("layers.tp.TorchTP", 0), ("tests.defects.ReduceScatterWithoutSum", 1)])
+def test_a_run_leaves_nothing_in_the_temp_dir(tmp_path, impl, code):
+    # The launcher skips the interpreter's teardown at exit; the forkserver's socket folder
+    # (multiprocessing's pymp-*) must still be removed.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = run_cli(["layer=swa", "tp=2", "model=tiny", "golden_cache=null", f"impl={impl}"], tmp_path,
+                timeout=120, env={"TMPDIR": str(tmp)})
+    assert p.returncode == code, p.stdout + p.stderr
+    assert sorted(x.name for x in tmp.iterdir()) == []
