@@ -168,7 +168,9 @@ def torchrun_cmd(script: str, nproc: int) -> list[str]:
     exe = Path(sys.executable).with_name("torchrun")
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
     # --standalone: rendezvous on a free local port, so concurrent benchmarks never collide.
-    return [*base, "--standalone", f"--nproc_per_node={nproc}", script]
+    # --log-dir: beside the script, removed with it (torchrun's default is a new folder in /tmp).
+    log_dir = os.path.join(os.path.dirname(script), "torchrun-logs")
+    return [*base, "--standalone", f"--nproc_per_node={nproc}", f"--log-dir={log_dir}", script]
 
 
 def best(runs: list[Run]) -> Run:

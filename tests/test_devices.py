@@ -87,7 +87,8 @@ def test_int8_gemm_is_exact_without_an_int32_gemm(k):
 
 def test_external_torchrun_runs_the_same_worker(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    base = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "launcher.torchrun", "layer=swa", "tp=2", "model=tiny", "golden_cache=null"]
+    base = [torchrun, "--standalone", "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun-logs"),  # not /tmp
+            "-m", "launcher.torchrun", "layer=swa", "tp=2", "model=tiny", "golden_cache=null"]
     env = dict(os.environ, PYTHONPATH=str(REPO), DSV4_OUTPUT_DIR=str(tmp_path / "out"))
     ok = subprocess.run(base, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "VERDICT: PASS" in ok.stdout, ok.stdout + ok.stderr
