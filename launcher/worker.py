@@ -116,22 +116,28 @@ def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int,
 
     Tensors travel as raw bytes, which every backend supports and which keeps bf16 exact.
     Every rank has the same shapes by construction (checked before the gather). Rank 0
-    receives each peer's bytes straight into its row of the stacked tensor: gloo's gather
-    would receive into a flat buffer of the same size first and copy from it.
+    receives each rank's bytes straight into its row of one stacked tensor. On gloo that takes
+    point-to-point receives: gloo's gather receives into a flat buffer of the same size first
+    and copies from it. NCCL's and HCCL's gathers write the rows themselves and keep to the
+    group's own communicator (their point-to-point ops would open one per pair of ranks).
     """
+    point_to_point = dist.get_backend() == "gloo"
     gathered = {}
     for name in names:
         t = tensors[name].detach().to(device).contiguous()
         wire = t.reshape(-1).view(torch.uint8)
-        if rank != 0:
+        stacked = torch.empty((tp, wire.numel()), dtype=torch.uint8, device=device) if rank == 0 else None
+        if not point_to_point:
+            dist.gather(wire, list(stacked.unbind(0)) if rank == 0 else None, dst=0)
+        elif rank != 0:
             dist.send(wire, dst=0)
-            continue
-        stacked = torch.empty((tp, wire.numel()), dtype=torch.uint8, device=device)
-        receives = [dist.irecv(stacked[src], src=src) for src in range(1, tp)]
-        stacked[0].copy_(wire)
-        for r in receives:
-            r.wait()
-        gathered[name] = stacked.cpu().view(t.dtype).reshape(tp, *t.shape)
+        else:
+            receives = [dist.irecv(stacked[src], src=src) for src in range(1, tp)]
+            stacked[0].copy_(wire)
+            for r in receives:
+                r.wait()
+        if rank == 0:
+            gathered[name] = stacked.cpu().view(t.dtype).reshape(tp, *t.shape)
     return gathered
 
 
