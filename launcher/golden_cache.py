@@ -5,30 +5,47 @@ rank, the intra-op thread count (CPU GEMM blocking changes last bits), the torch
 hash of the `layers` package source, so an edit of any golden, fixture or component invalidates
 every entry. Entries are written atomically (temp file + rename): concurrent sweeps and xdist
 workers never read a half-written entry.
+
+An entry is trusted only when it is whole: its identity matches, it holds exactly the compared
+tensors with the layer's shapes and dtypes, and each tensor's bytes match the sha256 stored
+beside it. Anything else (a load error, a missing or extra name, a wrong shape, flipped bytes,
+a hand-edited tensor) is a miss: the golden is recomputed and the entry overwritten. A cache
+that cannot be written never fails a run: `store` returns why, and the run goes on with the
+golden it computed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 import layers
+from layers.base import TensorSpec
 from layers.case import Case
+
+# Bumped whenever the entry layout changes: older entries are then misses.
+FORMAT = 2
+
+
+def source_hash(root: Path) -> str:
+    """A hash of every Python file under `root`, sub-packages included, with its path."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    h = hashlib.sha256()
-    root = Path(layers.__file__).parent
-    for path in sorted(root.glob("*.py")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+    return source_hash(Path(layers.__file__).parent)
 
 
 def identity(case: Case, rank: int, threads: int) -> dict:
@@ -47,6 +64,13 @@ def identity(case: Case, rank: int, threads: int) -> dict:
     }
 
 
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and raw bytes (bit-exact for every dtype)."""
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
 def _entry(root: str, ident: dict) -> Path:
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     return Path(root) / f"{ident['layer']}-tp{ident['tp']}-r{ident['rank']}-{key}.pt"
@@ -57,22 +81,54 @@ def exists(root: str, ident: dict) -> bool:
     return _entry(root, ident).is_file()
 
 
-def load(root: str, ident: dict) -> dict[str, torch.Tensor] | None:
+def _whole(entry, ident: dict, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor] | None:
+    """The entry's outputs if every check holds, else None."""
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        return None
+    if entry.get("identity") != json.dumps(ident, sort_keys=True):
+        return None
+    outputs, digests = entry.get("outputs"), entry.get("sha256")
+    if not isinstance(outputs, dict) or not isinstance(digests, dict) or set(outputs) != set(specs):
+        return None
+    for name, spec in specs.items():
+        t = outputs[name]
+        if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+            return None
+        if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
+            return None
+        if digests.get(name) != tensor_sha256(t):
+            return None
+    return {name: outputs[name] for name in specs}
+
+
+def load(root: str, ident: dict, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor] | None:
+    """The cached outputs named by `specs`, or None for a miss (absent or not whole)."""
     path = _entry(root, ident)
     if not path.is_file():
         return None
     try:
         entry = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # a damaged entry is a miss, and is replaced
+    except Exception:  # unreadable: a miss, replaced by `store`
         return None
-    if not isinstance(entry, dict) or entry.get("identity") != json.dumps(ident, sort_keys=True):
-        return None
-    return entry["outputs"]
+    return _whole(entry, ident, specs)
 
 
-def store(root: str, ident: dict, outputs: dict[str, torch.Tensor]) -> None:
+def store(root: str, ident: dict, outputs: Mapping[str, torch.Tensor]) -> str | None:
+    """Write (or overwrite) the entry; None when written, else why it could not be."""
     path = _entry(root, ident)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"identity": json.dumps(ident, sort_keys=True), "outputs": outputs}, tmp)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    entry = {
+        "format": FORMAT,
+        "identity": json.dumps(ident, sort_keys=True),
+        "outputs": dict(outputs),
+        "sha256": {name: tensor_sha256(t) for name, t in outputs.items()},
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(entry, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # no temp file may stay behind
+            tmp.unlink()
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None

@@ -66,7 +66,8 @@ def build_result(spec: RunSpec, outcome: LaunchOutcome, *, wall_s: float) -> dic
     primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
     result.update(
         status="ok", passed=bool(r["passed"]), reference=primary, verdicts=r["comparisons"][primary],
-        rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
+        rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
+        golden_cache_problems=r["golden_cache_problems"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
         golden_data=spec.golden_data, save_data=spec.save_data,
     )
     if r.get("bisect") is not None:
@@ -148,7 +149,9 @@ def _reference_line(result: dict) -> str:
         return f"reference: snapshot {result['golden_data']}/out"
     hits = result.get("golden_cache_hits", [])
     cached = f" (from the golden cache on ranks {hits})" if hits else ""
-    return f"reference: golden{cached}" + (f"; snapshot saved to {result['save_data']}" if result.get("save_data") else "")
+    problems = "".join(f"; warning: golden cache {p}" for p in result.get("golden_cache_problems", []))
+    saved = f"; snapshot saved to {result['save_data']}" if result.get("save_data") else ""
+    return f"reference: golden{cached}{saved}{problems}"
 
 
 def _verdict_lines(verdicts: list[dict]) -> list[str]:

@@ -163,9 +163,11 @@ def golden_is_computed(spec: RunSpec, layer, rank: int) -> bool:
     return not golden_cache.exists(spec.golden_cache, golden_cache.identity(spec.case, rank, spec.threads()))
 
 
-def cached_golden(spec: RunSpec, layer, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], bool]:
-    """The golden from the on-disk cache when its identity matches, else computed (and stored).
-    `wo_full`: the full O weights when the fixture built them already."""
+def cached_golden(spec: RunSpec, layer, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """`(golden, cache status)`: the golden from the on-disk cache when a whole entry of its
+    identity is there (status "hit"), else computed and stored (None, or why the cache could
+    not be written: the run goes on with the computed golden). `wo_full`: the full O weights
+    when the fixture built them already."""
     def full_o_weights():
         if not layer.sharded_o_weights:
             return None
@@ -174,14 +176,17 @@ def cached_golden(spec: RunSpec, layer, inputs, rank: int, wo_full=None) -> tupl
         return wo_full if wo_full is not None else layer.full_o_weights(spec.case)
 
     if spec.golden_data is not None or spec.golden_cache is None:
-        return golden_outputs(layer, spec.case, inputs, full_o_weights()), False
+        return golden_outputs(layer, spec.case, inputs, full_o_weights()), None
+    specs = layer.tensor_specs(spec.case)
     ident = golden_cache.identity(spec.case, rank, spec.threads())
-    hit = golden_cache.load(spec.golden_cache, ident)
+    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(spec.case)})
     if hit is not None:
-        return hit, True
+        return hit, "hit"
     outputs = golden_outputs(layer, spec.case, inputs, full_o_weights())
-    golden_cache.store(spec.golden_cache, ident, outputs)
-    return outputs, False
+    problem = golden_cache.store(spec.golden_cache, ident, outputs)
+    if problem:
+        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
+    return outputs, f"not written: {problem}" if problem else None
 
 
 def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> list[dict]:
@@ -289,11 +294,11 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
     with stage("golden"):
-        references, cache_hit = {}, False
+        references, cache_status = {}, None
         if spec.golden_data:
             references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
         if not spec.golden_data or spec.recompute_golden:
-            references["golden"], cache_hit = cached_golden(spec, layer, inputs, rank, wo_full)
+            references["golden"], cache_status = cached_golden(spec, layer, inputs, rank, wo_full)
         del wo_full
         context = {n: inputs[n].clone() for n in mappings}
         context.update({initial_key(n): inputs[n].clone() for n in inout})
@@ -317,7 +322,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         expected = {src: gather_to_rank0(ref, compared, rank, tp, device) for src, ref in references.items()}
         context = gather_to_rank0(context, sorted(context), rank, tp, device)
         stats = [None] * tp if rank == 0 else None
-        dist.gather_object({"seconds": stage.seconds, "golden_cache_hit": cache_hit, "peak_rss_mib": peak_rss_mib()},
+        dist.gather_object({"seconds": stage.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
                            stats, dst=0)
     comparisons = None
     if rank == 0:
@@ -341,7 +346,8 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         "bisect": located,
         "comparisons": comparisons,
         "rank_seconds": [s["seconds"] for s in stats],
-        "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache_hit"]],
+        "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache"] == "hit"],
+        "golden_cache_problems": sorted({s["golden_cache"] for s in stats if s["golden_cache"] not in (None, "hit")}),
         "rank_peak_rss_mib": [s["peak_rss_mib"] for s in stats],
     }
 
