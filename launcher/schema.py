@@ -23,6 +23,7 @@ from layers.scopes import get_scope
 from layers.config import ConfigError, ModelConfig
 
 from .faults import Fault
+from .faults import check_unset as check_fault_unset
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -48,7 +49,7 @@ class ReportSchema:
 class FaultSchema:
     kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.faults)
     rank: int = 0
-    stage: str = "layer"  # fixture | golden | layer | gather
+    stage: str = "layer"  # fixture | golden | save | layer | gather | compare
 
 
 @dataclass
@@ -149,6 +150,8 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     model_fields = OmegaConf.to_container(cfg.model, resolve=True)
     model = ModelConfig(**model_fields)
     tp = int(cfg.tp)
+    if tp < 1:
+        raise ConfigError(f"tp={tp} must be >= 1")
     scope = str(cfg.scope)
     get_scope(str(cfg.layer.name), scope)  # an unknown layer or scope is a ConfigError here
     local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(model, tp, scope)
@@ -173,7 +176,9 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     fault = None
     if cfg.fault.kind is not None:
         fault = Fault(kind=str(cfg.fault.kind), rank=int(cfg.fault.rank), stage=str(cfg.fault.stage))
-        fault.check(tp)
+        fault.check(tp, saves=bool(cfg.save_data))
+    else:
+        check_fault_unset(int(cfg.fault.rank), str(cfg.fault.stage), tp)
     if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
         raise ConfigError(f"threads_per_rank={cfg.threads_per_rank} must be >= 1")
     if cfg.recompute_golden and not cfg.golden_data:

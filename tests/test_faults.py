@@ -92,10 +92,24 @@ def test_corrupt_gives_fail_naming_tensor_and_rank(tp_run):
     (["fault.kind=melt"], "fault.kind='melt' must be one of"),
     (["fault.kind=raise", "fault.rank=2"], "fault.rank=2 must be in [0, 2)"),
     (["fault.kind=nan", "fault.stage=fixture"], "needs fault.stage=layer"),
+    (["fault.kind=raise", "fault.rank=5"], "fault.rank=5 must be in [0, 2)"),
+    (["fault.kind=raise", "fault.stage=bogus"], "fault.stage='bogus' must be one of"),
+    (["fault.stage=bogus"], "fault.stage='bogus' must be one of"),
+    (["fault.rank=5"], "fault.rank=5 must be in [0, 2)"),
+    (["fault.kind=raise", "fault.stage=save"], "never runs without save_data"),
+    (["fault.kind=exit", "fault.rank=1", "fault.stage=compare"], "runs on rank 0 alone"),
 ])
 def test_bad_fault_config_is_refused(tp_run, bad, message):
     run = tp_run(layer="swa", tp=2, model="tiny", overrides=bad)
     assert run.exit_code == 2 and message in run.report
+
+
+@pytest.mark.parametrize("stage, extra", [("compare", []), ("save", ["save_data=SNAP"])])
+def test_faults_in_the_conditional_stages_fire(tp_run, tmp_path, stage, extra):
+    overrides = [o.replace("SNAP", str(tmp_path / "snap")) for o in extra]
+    run = tp_run(layer="swa", tp=2, model="tiny", overrides=[*overrides, "fault.kind=raise", "fault.rank=0", f"fault.stage={stage}"])
+    assert run.exit_code == 2, run
+    assert run.result["error"]["rank"] == 0 and run.result["error"]["stage"] == stage
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
