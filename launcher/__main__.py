@@ -2,7 +2,29 @@ import atexit
 import os
 import sys
 
-from launcher import forkserver
+# The status _skip_teardown exits with: an error (2) unless main ends with a status of its own.
+_exit_status = [2]
+
+
+def _skip_teardown() -> None:
+    """The last exit handler (registered before anything else): end the process without the
+    interpreter's module teardown and torch's library destructors (a third of a second). By
+    now a normal exit ran every other step in order: other libraries' threads and worker
+    processes were shut down, every other exit handler ran (logging's flush,
+    multiprocessing's removal of the forkserver's socket folder). Where joblib's loky ran jobs
+    here (`hydra/launcher=joblib`), the teardown stays: it releases loky's semaphores, which
+    loky's resource tracker would otherwise report as leaked."""
+    if "joblib.externals.loky" in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status[0])
+
+
+if __name__ == "__main__":  # not when a spawned worker re-imports the main module
+    atexit.register(_skip_teardown)  # first registered, last run
+
+from launcher import forkserver  # noqa: E402  (after the exit handler: see _skip_teardown)
 
 # Flags that only print (help, the composed config, completion) launch nothing.
 _PRINT_ONLY = ("-h", "--help", "--hydra-help", "-c", "--cfg", "--info", "--shell-completion", "-sc")
@@ -13,21 +35,14 @@ def _launches_by_forkserver(argv: list[str]) -> bool:
         a.startswith("start_method=") and a != "start_method=forkserver" for a in argv)
 
 
-def _exit_now(code) -> None:
-    """Exit without the interpreter's teardown (torch's module and library destructors take a
-    third of a second): every rank has exited and the report and result.json are written.
-    The exit handlers still run (a few ms): logging's flushes the logs, multiprocessing's
-    removes the forkserver's socket folder, which would otherwise stay behind in the temp dir."""
-    if code is not None and not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    atexit._run_exitfuncs()  # what a normal exit runs first; stdlib, but without a public name
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+def _status(code) -> int:
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
+    return 1
 
 
-if __name__ == "__main__":  # not when a spawned worker re-imports the main module
+if __name__ == "__main__":
     if _launches_by_forkserver(sys.argv[1:]):
         forkserver.start()  # its torch import overlaps the launcher's own imports below
     from launcher.cli import main
@@ -35,4 +50,5 @@ if __name__ == "__main__":  # not when a spawned worker re-imports the main modu
     try:
         main()
     except SystemExit as e:
-        _exit_now(e.code)
+        _exit_status[0] = _status(e.code)
+        raise SystemExit(_exit_status[0]) from None

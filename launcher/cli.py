@@ -10,15 +10,16 @@ Every job leaves `<output_dir>/result.json`, whatever its outcome.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import get_object
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -69,33 +70,40 @@ def _with_snapshot_local_t(spec: RunSpec, requested, layer) -> RunSpec:
     return dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=local_t))
 
 
-def _write_result(output_dir: str, result: dict) -> None:
+def _write_result(output_dir: str, result: dict, job: dict | None) -> None:
+    """result.json, written whole or not at all; a sweep's job carries its `job` entry."""
     os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "result.json"), "w") as f:
+    if job is not None:
+        result = {**result, "job": job}
+    path = os.path.join(output_dir, "result.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
-def execute(cfg: DictConfig, output_dir: str) -> int:
+def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
     """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
-    that one job cannot take a sweep's other jobs down."""
+    that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
+    (`launcher.sweep.job_entry`), recorded in result.json."""
     t0 = time.perf_counter()
     try:
-        return _execute(cfg, output_dir, t0)
+        return _execute(cfg, output_dir, t0, job)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
         result = report.launcher_error(report.config_case(cfg), e, wall_s=time.perf_counter() - t0)
-        _write_result(output_dir, result)
+        _write_result(output_dir, result, job)
         print(report.render(result))
         return EXIT_ERROR
 
 
-def _execute(cfg: DictConfig, output_dir: str, t0: float) -> int:
+def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> int:
     try:
         spec = preflight(cfg, output_dir)
     except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
         message = " ".join(str(e).split())
         print(f"error: {message}", file=sys.stderr)
         _write_result(output_dir, report.not_launched(report.config_case(cfg), "config-error", message,
-                                                      wall_s=time.perf_counter() - t0, stage="config"))
+                                                      wall_s=time.perf_counter() - t0, stage="config"), job)
         return EXIT_ERROR
     # The ranks append to their progress files: a folder reused from an earlier run starts empty.
     shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
@@ -106,7 +114,7 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float) -> int:
     result = report.build_result(spec, outcome, wall_s=time.perf_counter() - t0)
     if cfg.report.plots:
         result["plots"] = report.write_plots(result, output_dir)
-    _write_result(output_dir, result)
+    _write_result(output_dir, result, job)
     print(report.render(result))
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
@@ -115,31 +123,21 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float) -> int:
     return EXIT_PASS if result["passed"] else EXIT_FAIL
 
 
-_exit_codes: list[int] = []  # of the jobs run in this process (one, or a multirun's)
-_compose_stderr: io.StringIO | None = None
-
-
-def _end_composition() -> None:
-    """Hand stderr back, passing on whatever Hydra wrote while composing (warnings)."""
-    global _compose_stderr
-    if _compose_stderr is not None:
-        sys.stderr = sys.__stderr__
-        sys.stderr.write(_compose_stderr.getvalue())
-        _compose_stderr = None
-
-
 @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> int:
-    _end_composition()
-    output_dir = HydraConfig.get().runtime.output_dir
-    if cfg.fail_fast and any(_exit_codes):
+    progress.composition_done()
+    hydra_cfg = HydraConfig.get()
+    output_dir = hydra_cfg.runtime.output_dir
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return execute(cfg, output_dir)
+    num = int(hydra_cfg.job.num)
+    job = sweep.job_entry(hydra_cfg.sweep.dir, num, list(hydra_cfg.overrides.task))
+    if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
         # Not counted in the exit status: the job that did not pass already decides it.
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
-        _write_result(output_dir, report.not_launched(report.config_case(cfg), "skipped", message, wall_s=0.0))
+        _write_result(output_dir, report.not_launched(report.config_case(cfg), "skipped", message, wall_s=0.0), job)
         return EXIT_ERROR
-    code = execute(cfg, output_dir)
-    _exit_codes.append(code)
-    return code
+    return execute(cfg, output_dir, job)
 
 
 def one_line(hydra_message: str) -> str:
@@ -156,19 +154,40 @@ def one_line(hydra_message: str) -> str:
 
 def main() -> None:
     """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
-    global _compose_stderr
-    _compose_stderr = io.StringIO()
-    sys.stderr = _compose_stderr
+    sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
+    progress.hold_stderr_while_composing()
+    code = None
     try:
         _hydra_main()
     except SystemExit as e:
-        if _compose_stderr is None or not e.code:
-            _end_composition()
-            raise
-        text = _compose_stderr.getvalue()
-        _compose_stderr = None
-        sys.stderr = sys.__stderr__
-        print(f"error: {one_line(text)}", file=sys.stderr)
+        code = e.code
+    except Exception as e:  # Hydra's own refusal of the command line, e.g. -m with --cfg
+        progress.composition_error()
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        code = EXIT_ERROR
+    held = progress.composition_error()
+    if held is not None and code:
+        print(f"error: {one_line(held)}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
-    _end_composition()
-    sys.exit(max(_exit_codes, default=EXIT_PASS))  # no job: --help, --cfg and the like only print
+    if held:
+        sys.stderr.write(held)  # only printed (--help, --cfg): nothing failed
+    sys.exit(final_status(code))
+
+
+def final_status(code) -> int:
+    """The process's exit status, from the files the run or the sweep's jobs wrote.
+
+    `code`: how Hydra's application ended (None: normally; 128 + a signal: interrupted; else
+    Hydra's own error exit). A multirun that never reached its end still gets its summary:
+    interrupted, its unfinished jobs are skips and the status is the signal's; stopped by an
+    error (a Hydra launcher that failed), the status is at least an error.
+    """
+    unfinished = sweep.SweepSummary.unfinished_sweep
+    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    if unfinished is not None:
+        status = sweep.write_summary(unfinished, interrupted=interrupted)
+        return code if interrupted else max(status, EXIT_ERROR)
+    if code:
+        return code if isinstance(code, int) else EXIT_ERROR
+    status = sweep.SweepSummary.exit_status
+    return EXIT_PASS if status is None else status  # None: nothing ran (--help, --cfg print only)

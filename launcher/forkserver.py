@@ -27,9 +27,19 @@ def set_reproducible_cpu_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def use_standard_start_method(start_method: str) -> None:
+    """Make `start_method` this process's default where the default is not one of the standard
+    library's. A rank (and the forkserver) is told its parent's default start method and
+    must find it: a job run inside a worker of joblib's loky (`hydra/launcher=joblib`) has
+    loky's as its default, which a plain child process does not know."""
+    if multiprocessing.get_start_method(allow_none=True) not in (None, *multiprocessing.get_all_start_methods()):
+        multiprocessing.set_start_method(start_method, force=True)
+
+
 def start() -> None:
     """Start the forkserver (once per process; later calls find it running). The environment
     is set first: the server, and every rank forked from it, inherit it as it is now."""
+    use_standard_start_method("forkserver")
     set_reproducible_cpu_env()
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()

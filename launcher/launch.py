@@ -203,6 +203,7 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     if spec.start_method == "forkserver":
         forkserver.start()  # a no-op when `python -m launcher` already started it
     else:
+        forkserver.use_standard_start_method(spec.start_method)
         forkserver.set_reproducible_cpu_env()  # inherited by every rank
     # The agent logs every worker failure itself; our report names the root cause instead.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

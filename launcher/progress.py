@@ -14,6 +14,7 @@ control characters but the newline. Progress goes to stderr; stdout keeps the re
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 import sys
@@ -80,6 +81,39 @@ class Display:
 
 
 DISPLAY = Display()
+
+
+# -- Hydra's composition: its errors become one line ---------------------------------------------
+
+_held_stderr: io.StringIO | None = None  # what Hydra wrote to stderr while composing
+
+
+def hold_stderr_while_composing() -> None:
+    """Keep what Hydra writes to stderr until the config is composed: a composition error is
+    then shown as one line (`composition_error`), and warnings pass on (`composition_done`)."""
+    global _held_stderr
+    _held_stderr = io.StringIO()
+    sys.stderr = _held_stderr
+
+
+def composition_done() -> None:
+    """The config is composed (a run or multirun starts): stderr is the terminal's again, and
+    what was held is written to it."""
+    global _held_stderr
+    if _held_stderr is not None:
+        held, _held_stderr = _held_stderr, None
+        sys.stderr = sys.__stderr__
+        sys.stderr.write(held.getvalue())
+
+
+def composition_error() -> str | None:
+    """What Hydra wrote if it stopped while composing (None once the config was composed)."""
+    global _held_stderr
+    if _held_stderr is None:
+        return None
+    held, _held_stderr = _held_stderr, None
+    sys.stderr = sys.__stderr__
+    return held.getvalue()
 
 
 @dataclass

@@ -23,16 +23,18 @@ drawn in turn from `mixed_pattern` so that every rank's requests start different
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import re
+import time
+import uuid
 import xml.etree.ElementTree as ET
-from typing import Any
+from typing import Any, ClassVar
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.utils import JobReturn, JobStatus
+from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,6 +46,9 @@ from . import progress
 # A job's verdict by its result status; an "ok" run is PASS or FAIL by its comparisons.
 VERDICTS = {"ok": None, "error": "ERROR", "config-error": "ERROR", "skipped": "SKIP"}
 SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP"}
+# The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
+# which already decides the sweep's status.
+EXIT_CODES = {"PASS": 0, "FAIL": 1, "ERROR": 2, "SKIP": 0}
 
 
 # -- resolvers ---------------------------------------------------------------------------------
@@ -100,12 +105,13 @@ def _worst(verdicts: list[dict]) -> dict | None:
     return max(reversed(verdicts), key=key, default=None)
 
 
-def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None, exit_code: Any) -> dict:
+def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None) -> dict:
     """A job's summary entry from its result.json (None when the job left none)."""
-    row: dict[str, Any] = {"job": num, "overrides": overrides, "output_dir": output_dir, "exit_code": exit_code}
+    row: dict[str, Any] = {"job": num, "overrides": overrides, "output_dir": output_dir}
     if result is None:
-        row.update(status="error", verdict="ERROR", passed=False, message="the job wrote no result.json",
-                   wall_s=None, failed_tensors=[], tensor=None)
+        row.update(status="error", verdict="ERROR", exit_code=EXIT_CODES["ERROR"], passed=False, wall_s=None,
+                   failed_tensors=[], tensor=None,
+                   message="the job wrote no result.json (it was killed, lost or never started)")
         return row
     case = result["case"]
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
@@ -124,6 +130,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         numel=figures.get("numel"),
     )
     row["verdict"] = VERDICTS.get(result["status"], "ERROR") or ("PASS" if result["passed"] else "FAIL")
+    row["exit_code"] = EXIT_CODES[row["verdict"]]
     if result["status"] != "ok":
         e = result["error"]
         # Named once: a message that already says which rank or stage is kept as it is.
@@ -208,51 +215,181 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
     return ET.ElementTree(root)
 
 
-# -- the callback ------------------------------------------------------------------------------
+# -- the sweep's own record: which jobs it planned, which results belong to it ----------------
+
+SWEEP_FILE = "sweep.json"
 
 
-def count_jobs(config: DictConfig) -> int | None:
-    """How many jobs the basic sweeper makes of this multirun (None for another sweeper)."""
+def planned_jobs(config: DictConfig) -> list[list[str]] | None:
+    """Each job's overrides, in job order, as Hydra's basic sweeper expands this multirun
+    (`hydra.sweeper.params` first, then the command line; a key given twice keeps its first
+    place and its last value; the cartesian product of the swept values). None for another
+    sweeper, whose jobs are not known in advance."""
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         return None
     params = config.hydra.sweeper.get("params") or {}
     args = [f"{k}={v}" for k, v in params.items()]
     args += list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
-    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
-    return sum(len(b) for b in batches)
+    choices: dict[str, list[str]] = {}
+    for o in OverridesParser.create().parse_overrides(args):
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            choices[key] = [f"{key}={v}" for v in o.sweep_string_iterator()]
+        else:
+            choices[key] = [f"{key}={o.get_value_element_as_str()}"]
+    return [list(job) for job in itertools.product(*choices.values())]
+
+
+def start_record(sweep_dir: str, jobs: list[list[str]] | None) -> str:
+    """Write the sweep's record (a fresh id and its planned jobs) before any job starts; the id."""
+    os.makedirs(sweep_dir, exist_ok=True)
+    sweep_id = uuid.uuid4().hex
+    record = {"id": sweep_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "jobs": jobs}
+    _write_json(os.path.join(sweep_dir, SWEEP_FILE), record)
+    return sweep_id
+
+
+def read_record(sweep_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(sweep_dir, SWEEP_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def job_entry(sweep_dir: str, num: int, overrides: list[str]) -> dict:
+    """What a job writes into its result.json so that its sweep can find it, on any host."""
+    record = read_record(sweep_dir) or {}
+    return {"num": num, "overrides": overrides, "sweep_id": record.get("id")}
+
+
+def _results(sweep_dir: str, sweep_id: str | None) -> dict[int, tuple[str, dict]]:
+    """Job number -> (output folder, result) of every result.json this sweep's jobs wrote
+    (results a reused sweep folder holds from an earlier sweep carry another id)."""
+    found: dict[int, tuple[str, dict]] = {}
+    for folder, dirs, files in os.walk(sweep_dir):
+        dirs[:] = [d for d in dirs if d not in ("logs", "progress", ".submitit")]
+        if "result.json" not in files:
+            continue
+        try:
+            with open(os.path.join(folder, "result.json")) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            continue
+        job = result.get("job") or {}
+        if job.get("sweep_id") == sweep_id and isinstance(job.get("num"), int):
+            found[job["num"]] = (folder, result)
+    return found
+
+
+def collect_rows(sweep_dir: str, interrupted: bool = False) -> list[dict]:
+    """One row per job of the sweep in `sweep_dir`, from the files its jobs wrote, whichever
+    launcher ran them and wherever: a planned job without a result is an ERROR row, or a SKIP
+    when the sweep was interrupted before it ran."""
+    record = read_record(sweep_dir) or {}
+    found = _results(sweep_dir, record.get("id"))
+    planned = record.get("jobs")
+    numbers = range(len(planned)) if planned is not None else sorted(found)
+    rows = []
+    for num in numbers:
+        folder, result = found.get(num, (None, None))
+        if result is None and interrupted:
+            rows.append({"job": num, "overrides": planned[num], "output_dir": "-", "status": "skipped",
+                         "verdict": "SKIP", "exit_code": EXIT_CODES["SKIP"], "passed": False, "wall_s": None, "failed_tensors": [], "tensor": None,
+                         "message": "not run: the sweep was interrupted"})
+            continue
+        overrides = result["job"]["overrides"] if result else planned[num]
+        rows.append(job_row(num, overrides, folder or "-", result))
+    return rows
+
+
+def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
+    """summary.json, junit.xml and the table of the sweep in `sweep_dir`; its exit status."""
+    rows = collect_rows(sweep_dir, interrupted)
+    counts = {name: sum(r["verdict"] == v for r in rows) for name, v in SUMMARY_COUNTS.items()}
+    summary = {"sweep_dir": os.path.abspath(sweep_dir), "n_jobs": len(rows), **counts, "interrupted": interrupted,
+               "jobs": rows}
+    _write_json(os.path.join(sweep_dir, "summary.json"), summary)
+    junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
+    print("\n".join(table(rows)))
+    print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+          f"{counts['skipped']} skipped of {len(rows)}{' (interrupted)' if interrupted else ''}; "
+          f"summary.json and junit.xml in {sweep_dir}")
+    return exit_status(rows)
+
+
+def exit_status(rows: list[dict]) -> int:
+    """The worst job's: 2 if any ERROR, else 1 if any FAIL, else 0."""
+    return max((EXIT_CODES[r["verdict"]] for r in rows), default=0)
+
+
+def earlier_job_failed(sweep_dir: str, num: int) -> bool:
+    """Whether a job of this sweep numbered below `num` finished without passing (fail_fast)."""
+    record = read_record(sweep_dir) or {}
+    return any(n < num and not r["passed"] and r["status"] != "skipped"
+               for n, (_, r) in _results(sweep_dir, record.get("id")).items())
+
+
+def _write_json(path: str, data) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+# -- the callback ------------------------------------------------------------------------------
 
 
 class SweepSummary(Callback):
-    """Progress lines per job and, at the end of a multirun, summary.json, junit.xml and a table."""
+    """Progress lines per job and, at the end of a multirun, summary.json, junit.xml and a table,
+    all built from the files the jobs wrote. For `launcher.cli.main`: `exit_status`, the
+    outcome of the last run or multirun of this process, and `unfinished_sweep`, the folder
+    of a multirun that started but never reached its end (interrupted, or its Hydra launcher
+    failed), whose summary main still writes."""
 
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-        self.multirun = False
+    exit_status: ClassVar[int | None] = None
+    unfinished_sweep: ClassVar[str | None] = None
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        progress.composition_done()
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        path = os.path.join(str(config.hydra.runtime.output_dir), "result.json")
+        try:
+            with open(path) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            result = None
+        SweepSummary.exit_status = exit_status([job_row(0, [], "", result)])
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.rows, self.multirun = [], True
-        progress.SWEEP = progress.SweepCounter(total=count_jobs(config))
+        progress.composition_done()
+        jobs = planned_jobs(config)
+        start_record(str(config.hydra.sweep.dir), jobs)
+        SweepSummary.unfinished_sweep = str(config.hydra.sweep.dir)
+        progress.SWEEP = progress.SweepCounter(total=len(jobs) if jobs is not None else None)
 
+    # Job callbacks run in the process that runs the job: this one (Hydra's basic launcher)
+    # or another (joblib, submitit): there they print to that job's own output.
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if not self.multirun:
-            return
         sweep = progress.SWEEP
+        if sweep is None:
+            return
         sweep.current = int(config.hydra.job.num) + 1
         overrides = " ".join(o for o in config.hydra.overrides.task if not o.startswith("hydra."))
         progress.DISPLAY.line(f"{sweep.prefix()}start {overrides}")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if not self.multirun:
+        sweep = progress.SWEEP
+        if sweep is None:
             return
         output_dir = str(config.hydra.runtime.output_dir)
-        path = os.path.join(output_dir, "result.json")
-        result = json.load(open(path)) if os.path.isfile(path) else None
-        code = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
-        row = job_row(int(config.hydra.job.num), list(config.hydra.overrides.task), output_dir, result, code)
-        if job_return.status == JobStatus.FAILED:  # the task itself raised: nothing it wrote is to be trusted
-            row.update(status="error", verdict="ERROR", passed=False, message=repr(job_return._return_value))
-        self.rows.append(row)
-        sweep = progress.SWEEP
+        try:
+            with open(os.path.join(output_dir, "result.json")) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            result = None
+        row = job_row(int(config.hydra.job.num), list(config.hydra.overrides.task), output_dir, result)
         sweep.done += 1
         sweep.failed += row["verdict"] != "PASS"
         what = f" {row['message']}" if row["verdict"] != "PASS" and row.get("message") else ""
@@ -261,16 +398,6 @@ class SweepSummary(Callback):
         sweep.current = None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = str(config.hydra.sweep.dir)
-        os.makedirs(sweep_dir, exist_ok=True)
-        rows = sorted(self.rows, key=lambda r: r["job"])
-        counts = {name: sum(r["verdict"] == v for r in rows) for name, v in SUMMARY_COUNTS.items()}
-        summary = {"sweep_dir": os.path.abspath(sweep_dir), "n_jobs": len(rows), **counts, "jobs": rows}
-        with open(os.path.join(sweep_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
-        print("\n".join(table(rows)))
-        print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
-              f"{counts['skipped']} skipped of {len(rows)}; summary.json and junit.xml in {sweep_dir}")
-        self.multirun = False
+        SweepSummary.exit_status = write_summary(str(config.hydra.sweep.dir))
+        SweepSummary.unfinished_sweep = None
         progress.SWEEP = None
