@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,11 @@ from launcher.forkserver import set_reproducible_cpu_env
 
 # Before any GEMM of this process: goldens here must reproduce the reference snapshots bitwise.
 set_reproducible_cpu_env()
+
+# The tests' goldens go to a folder of their own (one per test process, removed at its end),
+# never into the user's cache; every run started from here, CLI subprocesses included, inherits it.
+_GOLDEN_CACHE = tempfile.TemporaryDirectory(prefix="dsv4-tests-golden-")
+os.environ["DSV4_TP_GOLDEN_CACHE"] = _GOLDEN_CACHE.name
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = REPO.parent / "shared" / "peer"
