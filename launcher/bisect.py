@@ -33,8 +33,10 @@ from typing import Any
 
 import torch
 
-from layers.base import Layer, RankContext
-from layers.checks_extra import ExactCheck
+from layers.contract.context import RankContext
+from layers.contract.layer import Layer
+from layers.contract.checks import ExactCheck
+from layers.distributed import wire
 from layers.stages import Stage, layer_stages, staged_forward
 
 from .comparators import build_comparator, initial_key
@@ -44,14 +46,7 @@ OUTPUTS_STAGE = "outputs"
 
 def every_rank(ctx: RankContext, t: torch.Tensor) -> torch.Tensor:
     """Every rank's `t` stacked `[P, ...]` on the CPU, bit-exact (raw bytes on the wire)."""
-    if ctx.tp == 1:
-        return t[None]
-    import torch.distributed as dist  # only cross-rank stages need it
-
-    wire = t.detach().contiguous().to(ctx.device).view(torch.uint8)
-    parts = [torch.empty_like(wire) for _ in range(ctx.tp)]
-    dist.all_gather(parts, wire, group=ctx.group)
-    return torch.stack([p.cpu().view(t.dtype) for p in parts])
+    return wire.all_gather(t.detach().to(ctx.device), ctx.group, ctx.tp).cpu()
 
 
 def _golden_stage(stage: Stage, ctx: RankContext, args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from layers.config import ConfigError
+from layers.contract.config import ConfigError
 from layers.scopes import get_scope
 
 from . import devices, progress, report, snapshot, sweep

@@ -65,8 +65,8 @@ from typing import Any
 
 import torch
 
-from layers.base import Check, PoolCheck, RelDiffCheck
-from layers.checks_extra import StageCheck
+from layers.contract.checks import Check, PoolCheck, RelDiffCheck
+from layers.contract.checks import StageCheck
 
 INITIAL_PREFIX = "initial:"
 MAX_EXAMPLES = 8  # stray rows / non-finite coordinates listed per side or per rank

@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from layers.config import ConfigError
+from layers.contract.config import ConfigError
 
 DEVICE_TYPE = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layers.config import ConfigError
+from layers.contract.config import ConfigError
 
 KINDS = ("raise", "exit", "hang", "nan", "corrupt")
 STAGES = ("fixture", "golden", "save", "layer", "gather", "compare")

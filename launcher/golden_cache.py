@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 import layers
-from layers.base import TensorSpec
-from layers.case import Case
+from layers.contract.tensors import TensorSpec
+from layers.contract.case import Case
 
 # Bumped whenever the entry layout changes: older entries are then misses.
 FORMAT = 2

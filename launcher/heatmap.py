@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from layers.base import Check, PoolCheck, RelDiffCheck
+from layers.contract.checks import Check, PoolCheck, RelDiffCheck
 
 from .comparators import ratio_reldiff
 
-TOKEN_TILE = 8  # the token axis is padded and split in 8-row tiles (layers.case)
+TOKEN_TILE = 8  # the token axis is padded and split in 8-row tiles (layers.contract.case)
 _AXES = {"x_out": ("token", "hc", "channel")}
 _POOL_AXES = {3: ("block", "row", "channel"), 4: ("block", "row", "head", "channel")}
 

@@ -1,6 +1,6 @@
 """Hydra schemas of the run config and its conversion to the launcher's `RunSpec`.
 
-The model group's schema mirrors `layers.config.ModelConfig` field for field (a frozen
+The model group's schema mirrors `layers.contract.config.ModelConfig` field for field (a frozen
 dataclass cannot be a Hydra node, and derived sizes are properties, so they can never be
 overridden); typos and wrong types fail at composition. `run_spec` is the one place where an
 OmegaConf tree becomes plain dataclasses.
@@ -18,9 +18,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from layers.case import TOKEN_TILE, Case
+from layers.contract.case import TOKEN_TILE, Case
 from layers.scopes import get_scope
-from layers.config import ConfigError, ModelConfig
+from layers.contract.config import ConfigError, ModelConfig
 
 from .faults import Fault
 from .faults import check_unset as check_fault_unset

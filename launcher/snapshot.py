@@ -18,9 +18,9 @@ from importlib import metadata
 
 import torch
 
-from layers.base import Kind, TensorSpec
-from layers.case import Case
-from layers.config import ConfigError
+from layers.contract.tensors import Kind, TensorSpec
+from layers.contract.case import Case
+from layers.contract.config import ConfigError
 
 MANIFEST = "manifest.json"
 

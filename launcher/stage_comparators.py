@@ -1,4 +1,4 @@
-"""Comparators of the stage-level checks (`layers.checks_extra`, validation.md §12.5).
+"""Comparators of the stage-level checks (`layers.contract.checks`, validation.md §12.5).
 
 Owns the two comparators the reference composes for its standalone output-half tests and that
 `launcher.comparators` does not have on its own:
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from layers.checks_extra import AllcloseCheck, ExactCheck, PrefixTailCheck, StageCheck
+from layers.contract.checks import AllcloseCheck, ExactCheck, PrefixTailCheck, StageCheck
 
 from .comparators import MAX_EXAMPLES, Comparator, Exact, RatioAllclose, Verdict, ratio_allclose
 

@@ -38,8 +38,8 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from layers.case import TOKEN_TILE
-from layers.config import ModelConfig
+from layers.contract.case import TOKEN_TILE
+from layers.contract.config import ModelConfig
 
 from . import progress
 

@@ -18,7 +18,7 @@ from . import report
 from .cli import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, preflight
 from .launch import LaunchOutcome
 from .worker import rank_main
-from layers.config import ConfigError
+from layers.contract.config import ConfigError
 
 
 def main(argv: list[str]) -> int:

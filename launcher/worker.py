@@ -36,7 +36,10 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
-from layers.base import Kind, PoolCheck, RankContext
+from layers.contract.checks import PoolCheck
+from layers.contract.context import RankContext
+from layers.contract.tensors import Kind
+from layers.distributed import wire
 from layers.scopes import get_scope
 
 from . import bisect, devices, faults, forkserver, golden_cache, heatmap, snapshot
@@ -112,32 +115,12 @@ def check_outputs(outputs, expected_specs: dict, rank: int) -> None:
 
 
 def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int, device) -> dict[str, torch.Tensor]:
-    """Stack every rank's tensor of each name on rank 0 (CPU), bit-exact for every dtype.
-
-    Tensors travel as raw bytes, which every backend supports and which keeps bf16 exact.
-    Every rank has the same shapes by construction (checked before the gather). Rank 0
-    receives each rank's bytes straight into its row of one stacked tensor. On gloo that takes
-    point-to-point receives: gloo's gather receives into a flat buffer of the same size first
-    and copies from it. NCCL's and HCCL's gathers write the rows themselves and keep to the
-    group's own communicator (their point-to-point ops would open one per pair of ranks).
-    """
-    point_to_point = dist.get_backend() == "gloo"
+    """Every rank's tensor of each name, stacked `[tp, ...]` on rank 0 (CPU), bit-exact."""
     gathered = {}
     for name in names:
-        t = tensors[name].detach().to(device).contiguous()
-        wire = t.reshape(-1).view(torch.uint8)
-        stacked = torch.empty((tp, wire.numel()), dtype=torch.uint8, device=device) if rank == 0 else None
-        if not point_to_point:
-            dist.gather(wire, list(stacked.unbind(0)) if rank == 0 else None, dst=0)
-        elif rank != 0:
-            dist.send(wire, dst=0)
-        else:
-            receives = [dist.irecv(stacked[src], src=src) for src in range(1, tp)]
-            stacked[0].copy_(wire)
-            for r in receives:
-                r.wait()
+        stacked = wire.gather(tensors[name].detach().to(device), rank, tp)
         if rank == 0:
-            gathered[name] = stacked.cpu().view(t.dtype).reshape(tp, *t.shape)
+            gathered[name] = stacked
     return gathered
 
 

@@ -22,11 +22,16 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import attention, csa_compressor, csa_fixture, hc, indexer, metadata, output_half, qkv, tp
-from .base import Kind, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
-from .case import Case
-from .config import ConfigError, ModelConfig
-from .o_weights import LayerDrawingOWeights
+from .components import attention, csa_compressor, hc, indexer, metadata, qkv
+from .components import o_proj as output_half
+from .contract.case import Case
+from .contract.checks import PoolCheck, RelDiffCheck
+from .contract.config import ConfigError, ModelConfig
+from .contract.context import RankContext
+from .contract.tensors import Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .distributed import collectives as tp
+from .fixtures import csa as csa_fixture
+from .fixtures.o_weights import LayerDrawingOWeights
 
 COMPRESS_RATIO = csa_compressor.COMPRESS_RATIO
 # gen_shared_weight (indexer wq_b fixture) works on 128×128 blocks.

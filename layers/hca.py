@@ -28,12 +28,17 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import attention, fixture, hc, hca_compressor, metadata, output_half, qkv, rope, tp
-from .base import Check, Kind, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
-from .case import Case
-from .config import ConfigError, ModelConfig, ceil_div
-from .numerics import bf16, f32, quant_weight_int8
-from .o_weights import LayerDrawingOWeights, OWeightRecipe
+from .components import attention, hc, hca_compressor, metadata, qkv, rope
+from .components import o_proj as output_half
+from .components.numerics import bf16, f32, quant_weight_int8
+from .contract.case import Case
+from .contract.checks import Check, PoolCheck, RelDiffCheck
+from .contract.config import ConfigError, ModelConfig, ceil_div
+from .contract.context import RankContext
+from .contract.tensors import Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .distributed import collectives as tp
+from .fixtures import draw as fixture
+from .fixtures.o_weights import LayerDrawingOWeights, OWeightRecipe
 
 RATIO = hca_compressor.COMPRESS_RATIO
 # hc_attn scale / base of the real layer-9 HCA block (hca.md §6.1; fixed, no RNG).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Layer
-from .config import ConfigError
+from .contract.config import ConfigError
+from .contract.layer import Layer
 
 _MODULES = {"swa": "layers.swa", "csa": "layers.csa", "hca": "layers.hca"}
 

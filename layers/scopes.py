@@ -65,12 +65,17 @@ from typing import ClassVar
 
 import torch
 
-from . import attention, output_half, registry, swa, tp
-from .base import Check, Kind, Layer, RankContext, TensorSpec
-from .case import Case
-from .checks_extra import AllcloseCheck, ExactCheck, PrefixTailCheck
-from .config import ConfigError, ModelConfig, ceil_div
-from .numerics import bf16
+from . import registry, swa
+from .components import attention
+from .components import o_proj as output_half
+from .components.numerics import bf16
+from .contract.case import Case
+from .contract.checks import AllcloseCheck, Check, ExactCheck, PrefixTailCheck
+from .contract.config import ConfigError, ModelConfig, ceil_div
+from .contract.context import RankContext
+from .contract.layer import Layer
+from .contract.tensors import Kind, TensorSpec
+from .distributed import collectives as tp
 
 SCOPES = ("full", "output", "collectives", "tp1")
 
@@ -322,25 +327,6 @@ def _collective_sources(
     return {"kv_local": bf16(kv), "attention_grouped": bf16(a.reshape(g * pad, gi)), "o_partial": part}
 
 
-def kv_all_gather(ctx: RankContext, kv_local: torch.Tensor) -> torch.Tensor:
-    """The kv token all-gather of §9.2: kv_local [t, D] (valid rows only) → [P·t, D], rank-major.
-
-    bf16 travels as its raw bytes, like `layers.tp`'s collectives.
-    """
-    p = ctx.tp
-    if p == 1:
-        return kv_local
-    if ctx.group is None:
-        raise RuntimeError(f"rank {ctx.rank}: tp={p} needs a process group in RankContext.group")
-    # Imported here: tp == 1 runs never need torch.distributed.
-    import torch.distributed as dist
-
-    wire = kv_local.contiguous().view(torch.uint8)
-    parts = [torch.empty_like(wire) for _ in range(p)]
-    dist.all_gather(parts, wire, group=ctx.group)
-    return torch.cat(parts).view(kv_local.dtype)
-
-
 class CollectivesScope(_Scope):
     """The three data transitions of the TP layers, bitwise, on sentinel-filled outputs (§9.2)."""
 
@@ -413,7 +399,7 @@ class CollectivesScope(_Scope):
         x, m = tensors, ctx.model
         p, t, pad = ctx.tp, ctx.case.local_t, ctx.case.local_t_pad
         g, gi, lg = m.o_groups, m.group_in, ctx.case.local_o_groups
-        x["kv_group"][: p * t] = kv_all_gather(ctx, x["kv_local"][:t])
+        x["kv_group"][: p * t] = tp.kv_all_gather(ctx, x["kv_local"][:t])
         attention_grouped = x["attention_grouped"].view(g, pad, gi)[:, :t]  # [G, t, GI]
         x["attention_local_groups"].view(lg, p * pad, gi)[:, : p * t] = tp.group_all_to_all(ctx, attention_grouped)
         x["o_local"][:t] = tp.reduce_scatter(ctx, x["o_partial"][: p * t])
@@ -470,5 +456,4 @@ __all__ = [
     "OutputScope",
     "CollectivesScope",
     "TP1Scope",
-    "kv_all_gather",
 ]

@@ -38,12 +38,15 @@ from typing import NamedTuple
 
 import torch
 
-from . import attention, csa, hc, hca, hca_compressor, output_half, qkv, swa, tp
-from .base import Check, RankContext
-from .case import Case
-from .checks_extra import AllcloseCheck, ExactCheck
-from .config import ConfigError
-from .numerics import bf16
+from . import csa, hca, swa
+from .components import attention, hc, hca_compressor, qkv
+from .components import o_proj as output_half
+from .components.numerics import bf16
+from .contract.case import Case
+from .contract.checks import AllcloseCheck, Check, ExactCheck
+from .contract.config import ConfigError
+from .contract.context import RankContext
+from .distributed import collectives as tp
 
 Values = Mapping[str, torch.Tensor]
 

@@ -19,12 +19,17 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import attention, fixture, hc, metadata, output_half, qkv, rope, tp
-from .base import Kind, PoolCheck, RankContext, RelDiffCheck, TensorSpec, front_tensor_specs, tail_tensor_specs
-from .case import Case
-from .config import ConfigError, ModelConfig, ceil_div
-from .numerics import bf16, quant_weight_int8
-from .o_weights import LayerDrawingOWeights, OWeightRecipe
+from .components import attention, hc, metadata, qkv, rope
+from .components import o_proj as output_half
+from .components.numerics import bf16, quant_weight_int8
+from .contract.case import Case
+from .contract.checks import PoolCheck, RelDiffCheck
+from .contract.config import ConfigError, ModelConfig, ceil_div
+from .contract.context import RankContext
+from .contract.tensors import Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .distributed import collectives as tp
+from .fixtures import draw as fixture
+from .fixtures.o_weights import LayerDrawingOWeights, OWeightRecipe
 
 # "Real layer-0 SWA" hc values (§7.2); hc_attn_fn is synthetic N(0, 1)·HC_FN_SCALE.
 HC_ATTN_SCALE = (2.076026, 0.018729, 0.245936)

@@ -216,8 +216,8 @@ def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) ->
     import torch
 
     from launcher import forkserver
-    from layers.case import Case
-    from layers.config import PRESETS
+    from layers.contract.case import Case
+    from layers.contract.config import PRESETS
     from layers.registry import get_layer
 
     forkserver.set_reproducible_cpu_env()
@@ -303,9 +303,10 @@ def _spec_bytes(specs: dict, names) -> int:
 
 def working_set(layer: str, model: str, tp: int, local_t: int) -> dict:
     """Bytes of the tensors one rank holds at once, from the layer's tensor inventory."""
-    from layers.base import Kind, PoolCheck
-    from layers.case import Case
-    from layers.config import PRESETS
+    from layers.contract.checks import PoolCheck
+    from layers.contract.tensors import Kind
+    from layers.contract.case import Case
+    from layers.contract.config import PRESETS
     from layers.registry import get_layer
 
     lay = get_layer(layer)
@@ -387,9 +388,9 @@ def bench_loops(layers: list[str], local_t: int = 32) -> dict:
     """Python function calls of fixture, golden and TP forward (tp=1) as each axis doubles."""
     import torch
 
-    from layers.base import RankContext
-    from layers.case import Case
-    from layers.config import TINY
+    from layers.contract.context import RankContext
+    from layers.contract.case import Case
+    from layers.contract.config import TINY
     from layers.registry import get_layer
 
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from unittest import mock
 import torch
 
 from layers import tp
-from layers.numerics import bf16
+from layers.components.numerics import bf16
 
 
 class _Patched(tp.TorchTP):
@@ -35,7 +35,7 @@ def _resolve(path: str):
 class ReduceScatterWithoutSum(_Patched):
     """Each owner keeps only its own partial: the other ranks' groups are never added."""
 
-    target = "layers.tp.reduce_scatter"
+    target = "layers.distributed.collectives.reduce_scatter"
 
     def replacement(self, ctx, original):
         def reduce_scatter(ctx, o_partial):
@@ -48,7 +48,7 @@ class ReduceScatterWithoutSum(_Patched):
 class GroupsToWrongRank(_Patched):
     """The head-group all-to-all delivers every rank's groups to the next rank."""
 
-    target = "layers.tp.group_all_to_all"
+    target = "layers.distributed.collectives.group_all_to_all"
 
     def replacement(self, ctx, original):
         def group_all_to_all(ctx, attention_grouped):
@@ -99,7 +99,7 @@ def _shift(slots: torch.Tensor) -> torch.Tensor:
 class CsaMissedCommit(_Patched):
     """The CSA main compressor never commits its compressed rows into cmp_kv."""
 
-    target = "layers.csa_compressor.commit_cmp_rows"
+    target = "layers.components.csa_compressor.commit_cmp_rows"
 
     def replacement(self, ctx, original):
         return lambda cmp_kv, slots, rows: None
@@ -108,7 +108,7 @@ class CsaMissedCommit(_Patched):
 class CsaStateWrongSlot(_Patched):
     """The CSA compressors write their state one row after the state slot mapping's."""
 
-    target = "layers.csa_compressor.write_state"
+    target = "layers.components.csa_compressor.write_state"
 
     def replacement(self, ctx, original):
         return lambda state_rows, slots, kv, score: original(state_rows, _shift(slots), kv, score)
@@ -118,7 +118,7 @@ class CsaSentinelOverwritten(_Patched):
     """Besides its own rows, the CSA state write zeroes the pool's last row (a never-used,
     -inf sentinel row)."""
 
-    target = "layers.csa_compressor.write_state"
+    target = "layers.components.csa_compressor.write_state"
 
     def replacement(self, ctx, original):
         def write_state(state_rows, slots, kv, score):
@@ -131,7 +131,7 @@ class CsaSentinelOverwritten(_Patched):
 class CsaTopkOffByOne(_Patched):
     """The indexer's top-k returns every selected slot shifted by one."""
 
-    target = "layers.indexer.select_topk"
+    target = "layers.components.indexer.select_topk"
 
     def replacement(self, ctx, original):
         return lambda score, visible, k: _shift(original(score, visible, k))
@@ -140,7 +140,7 @@ class CsaTopkOffByOne(_Patched):
 class HcaMissedCommit(_Patched):
     """The HCA compressor never commits its compressed rows into cmp_kv."""
 
-    target = "layers.hca_compressor.commit"
+    target = "layers.components.hca_compressor.commit"
 
     def replacement(self, ctx, original):
         return lambda cmp_kv, cmp_slots, y: None
@@ -149,7 +149,7 @@ class HcaMissedCommit(_Patched):
 class HcaPoolsWrongRows(_Patched):
     """The HCA compressor pools the state rows one position late."""
 
-    target = "layers.hca_compressor.window_state_rows"
+    target = "layers.components.hca_compressor.window_state_rows"
 
     def replacement(self, ctx, original):
         return lambda table, request, pool_pos, block_size: original(table, request, pool_pos + 1, block_size)
@@ -158,7 +158,7 @@ class HcaPoolsWrongRows(_Patched):
 class HcaWrongRopePosition(_Patched):
     """The HCA compressed rows are rotated with the previous row's angles."""
 
-    target = "layers.hca_compressor.rope_compressed"
+    target = "layers.components.hca_compressor.rope_compressed"
 
     def replacement(self, ctx, original):
         return lambda y, cos, sin, model: original(y, torch.roll(cos, 1, 0), torch.roll(sin, 1, 0), model)

@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 
-from layers import attention, rope
-from layers.config import TINY
-from layers.numerics import bf16
+from layers.components import attention
+from layers.components import rope
+from layers.contract.config import TINY
+from layers.components.numerics import bf16
 
 NEG_INF = -1.0e20
 TILE = 128

@@ -17,11 +17,16 @@ import torch
 import torch.distributed as dist
 
 from launcher.bisect import OUTPUTS_STAGE, bisect_rank, every_rank, gather_bisect, golden_chain, render
-from layers import attention, hc, output_half, qkv, stages, swa, tp
-from layers.base import RankContext
-from layers.case import Case
-from layers.config import TINY
-from layers.numerics import bf16
+from layers import stages, swa, tp
+from layers.distributed import collectives
+from layers.components import attention
+from layers.components import hc
+from layers.components import o_proj as output_half
+from layers.components import qkv
+from layers.contract.context import RankContext
+from layers.contract.case import Case
+from layers.contract.config import TINY
+from layers.components.numerics import bf16
 from layers.registry import get_layer
 
 from . import defects
@@ -55,7 +60,7 @@ class _OnRank(defects._Patched):
 
 
 class HcPreMixesWrong(_OnRank):
-    target = "layers.hc.hc_pre"
+    target = "layers.components.hc.hc_pre"
 
     def broken(self, original):
         def hc_pre(x, fn, scale, base, model):
@@ -66,14 +71,14 @@ class HcPreMixesWrong(_OnRank):
 
 
 class RmsNormEpsTooLarge(_OnRank):
-    target = "layers.qkv.rms_norm"
+    target = "layers.components.qkv.rms_norm"
 
     def broken(self, original):
         return lambda x, w, eps: original(x, w, 1.0)
 
 
 class QkvRopeSinFlipped(_OnRank):
-    target = "layers.qkv.qkv_proj_rope"
+    target = "layers.components.qkv.qkv_proj_rope"
     rank = 0
 
     def broken(self, original):
@@ -91,7 +96,7 @@ class WindowOneKeyShort(_OnRank):
 
 
 class InverseRopeSignFlipped(_OnRank):
-    target = "layers.attention.pack_heads"
+    target = "layers.components.attention.pack_heads"
 
     def broken(self, original):
         return lambda o, cos, sin, model: original(o, cos, -sin, model)
@@ -100,7 +105,7 @@ class InverseRopeSignFlipped(_OnRank):
 class ProjectionWithoutScale(_OnRank):
     """The per-rank partial never multiplied by wo_b_scale (P10)."""
 
-    target = "layers.output_half.sharded_o_proj"
+    target = "layers.components.o_proj.sharded_o_proj"
     rank = 0
 
     def broken(self, original):
@@ -108,7 +113,7 @@ class ProjectionWithoutScale(_OnRank):
 
 
 class CombTransposed(_OnRank):
-    target = "layers.hc.hc_post"
+    target = "layers.components.hc.hc_post"
 
     def broken(self, original):
         def hc_post(x, residual, post, comb):
@@ -180,10 +185,10 @@ class OwnPipeline:
         swa.write_cache_rows(x["kv_cache"], x["swa_slot_mapping"], kv)
         o = swa.swa_attention(m, q, x["kv_cache"], x["swa_indices"], x["swa_lens"], x["attn_sink"])
         attention_grouped = attention.pack_heads(o, x["freqs_cos"], x["freqs_sin"], m)
-        attention_local_groups = tp.group_all_to_all(ctx, attention_grouped)
+        attention_local_groups = collectives.group_all_to_all(ctx, attention_grouped)
         scale = torch.ones_like(x["wo_b_scale"]) if ctx.rank == 0 else x["wo_b_scale"]
         o_partial = output_half.sharded_o_proj(attention_local_groups, x["wo_a"], x["wo_b"], scale)
-        attn_out = tp.reduce_scatter(ctx, o_partial)
+        attn_out = collectives.reduce_scatter(ctx, o_partial)
         x_out = hc.hc_post(attn_out, x["x_hc"], post, comb)
         out = {"kv_cache": x["kv_cache"], "x_out": x_out}
         if self.expose:
@@ -268,14 +273,14 @@ def test_faithful_csa_and_hca_do_not_diverge(layer_name):
 
 
 class CompressorRowsOff(_OnRank):
-    target = "layers.csa_compressor.normalize_rotate"
+    target = "layers.components.csa_compressor.normalize_rotate"
 
     def broken(self, original):
         return lambda *args: original(*args) * 1.01
 
 
 class InnerCommitOff(_OnRank):
-    target = "layers.indexer.commit_idx_rows"
+    target = "layers.components.indexer.commit_idx_rows"
     rank = 0
 
     def broken(self, original):
@@ -283,14 +288,14 @@ class InnerCommitOff(_OnRank):
 
 
 class TopkReversed(_OnRank):
-    target = "layers.indexer.select_topk"
+    target = "layers.components.indexer.select_topk"
 
     def broken(self, original):
         return lambda score, visible, k: original(-score, visible, k)
 
 
 class HcaPooledOff(_OnRank):
-    target = "layers.hca_compressor.normalize_pooled"
+    target = "layers.components.hca_compressor.normalize_pooled"
 
     def broken(self, original):
         return lambda pooled, w, eps: original(pooled, w, eps) * 1.01
@@ -320,8 +325,8 @@ def _reference_collectives_job(rank, world, case):
     part = torch.randn(world * t, d, generator=gen)
     golden_a2a = a2a.golden(ctx, {"attention_grouped": every_rank(ctx, a)})["attention_local_groups"]
     golden_rs = rs.golden(ctx, {"o_partial": every_rank(ctx, part)})["attn_out"]
-    return {"a": a, "part": part, "a2a": golden_a2a, "a2a_impl": tp.group_all_to_all(ctx, a),
-            "rs": golden_rs, "rs_impl": tp.reduce_scatter(ctx, part)}
+    return {"a": a, "part": part, "a2a": golden_a2a, "a2a_impl": collectives.group_all_to_all(ctx, a),
+            "rs": golden_rs, "rs_impl": collectives.reduce_scatter(ctx, part)}
 
 
 def test_cross_rank_goldens_are_the_spec_index_maps():

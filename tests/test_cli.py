@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from launcher.cli import EXIT_ERROR, preflight
-from layers.config import ConfigError
+from layers.contract.config import ConfigError
 
 from .conftest import run_cli
 

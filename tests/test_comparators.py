@@ -32,7 +32,7 @@ from launcher.comparators import (
     topk_pair_compare,
     validate_golden,
 )
-from layers.base import PoolCheck, RelDiffCheck
+from layers.contract.checks import PoolCheck, RelDiffCheck
 
 CTX = dict(actual_outputs={}, expected_outputs={}, inputs={}, rtol=1e-5, atol=1e-5)
 

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from layers.config import FLASH, SMALL, TINY
-from layers.hc import a2a3_cube_linear, hc_post, hc_pre
-from layers.numerics import bf16, int8_quant_per_row, quant_weight_int8
-from layers.qkv import qkv_proj_rope, rms_norm
-from layers.rope import apply_inverse_rope, apply_rope, inv_freq, precompute_freqs_cos_sin, rope_profile, rope_rows
+from layers.contract.config import FLASH, SMALL, TINY
+from layers.components.hc import a2a3_cube_linear, hc_post, hc_pre
+from layers.components.numerics import bf16, int8_quant_per_row, quant_weight_int8
+from layers.components.qkv import qkv_proj_rope, rms_norm
+from layers.components.rope import apply_inverse_rope, apply_rope, inv_freq, precompute_freqs_cos_sin, rope_profile, rope_rows
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peer"
@@ -491,9 +491,9 @@ _KV_ROWS_SCRIPT = r"""
 import json, sys, torch
 torch.set_num_threads(2)
 from pathlib import Path
-from layers.config import SMALL
-from layers.hc import hc_pre
-from layers.qkv import qkv_proj_rope, rms_norm
+from layers.contract.config import SMALL
+from layers.components.hc import hc_pre
+from layers.components.qkv import qkv_proj_rope, rms_norm
 peer = Path(sys.argv[1])
 bad = {}
 for layer, mapping in (("swa", "swa_slot_mapping"), ("hca", "ori_slot_mapping"), ("csa", "ori_slot_mapping")):

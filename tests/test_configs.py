@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 import launcher.cli  # noqa: F401  (registers the schemas)
 from launcher.schema import run_spec
-from layers.config import PRESETS
+from layers.contract.config import PRESETS
 
 
 def _compose(*overrides: str):

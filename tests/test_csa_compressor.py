@@ -2,7 +2,7 @@
 
 The naive step below walks requests and positions one by one with the state as a plain row
 table, exactly as the spec text reads; the code under test is `layers.csa.compressor_rows`
-(vectorized per step, a loop over requests only) with the commit of `layers.csa_compressor`.
+(vectorized per step, a loop over requests only) with the commit of `layers.components.csa_compressor`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layers import csa, csa_compressor, csa_fixture, metadata
-from layers.case import Case
-from layers.config import TINY
-from layers.numerics import bf16
+from layers import csa
+from layers.components import csa_compressor
+from layers.fixtures import csa as csa_fixture
+from layers.components import metadata
+from layers.contract.case import Case
+from layers.contract.config import TINY
+from layers.components.numerics import bf16
 
 SEQ = TINY.decode_seq
 
@@ -173,7 +176,7 @@ def test_no_commit_when_the_boundary_is_past_the_step():
 
 
 def _tables(model):
-    from layers import rope
+    from layers.components import rope
 
     base, original = rope.rope_profile(model, 4)
     return rope.precompute_freqs_cos_sin(

@@ -7,7 +7,7 @@ wo_b_scale: slice 0), goes through `golden_decode_csa_tp1` and must give the ran
 tests/conftest.py before any GEMM: the snapshot's fp32 GEMMs are reproduced by that path
 only).
 
-The six pools are bit-exact. x_out is not yet: the shared o-projection (`layers.output_half`)
+The six pools are bit-exact. x_out is not yet: the shared o-projection (`layers.components.o_proj`)
 sums its fp32 wo_a GEMM (K = GI = 256 here) in one pass where the reference accumulates two
 K blocks of 128, which moves a few attn_out values by one bf16 ulp. A restatement of the
 reference's o-projection, swapped in for this test only, makes x_out bit-exact as well —
@@ -21,11 +21,12 @@ import os
 import pytest
 import torch
 
-from layers import csa, output_half
-from layers.base import Kind
-from layers.case import Case
-from layers.config import SMALL
-from layers.numerics import f32, int8_matmul, int8_quant_per_row
+from layers import csa
+from layers.components import o_proj as output_half
+from layers.contract.tensors import Kind
+from layers.contract.case import Case
+from layers.contract.config import SMALL
+from layers.components.numerics import f32, int8_matmul, int8_quant_per_row
 
 from .conftest import peer_snapshot
 

@@ -13,10 +13,12 @@ import math
 import pytest
 import torch
 
-from layers import csa_fixture, indexer, rope
-from layers.case import Case
-from layers.config import TINY
-from layers.numerics import bf16
+from layers.fixtures import csa as csa_fixture
+from layers.components import indexer
+from layers.components import rope
+from layers.contract.case import Case
+from layers.contract.config import TINY
+from layers.components.numerics import bf16
 
 M = TINY
 SEQ = M.decode_seq

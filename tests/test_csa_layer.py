@@ -11,11 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layers import csa, csa_compressor, csa_fixture, hc, indexer, qkv
-from layers.base import Kind, PoolCheck, RankContext, RelDiffCheck
-from layers.case import Case
-from layers.config import FLASH, SMALL, TINY, ConfigError
-from layers.numerics import bf16
+from layers import csa
+from layers.components import csa_compressor
+from layers.fixtures import csa as csa_fixture
+from layers.components import hc
+from layers.components import indexer
+from layers.components import qkv
+from layers.contract.checks import PoolCheck, RelDiffCheck
+from layers.contract.context import RankContext
+from layers.contract.tensors import Kind
+from layers.contract.case import Case
+from layers.contract.config import FLASH, SMALL, TINY, ConfigError
+from layers.components.numerics import bf16
 
 from .conftest import peer_snapshot
 from .test_csa_compressor import naive_compressor_step

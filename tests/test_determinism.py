@@ -14,8 +14,8 @@ from .conftest import REPO
 
 _HASH_SLICES = """
 import hashlib, json, sys
-from layers.case import Case
-from layers.config import TINY
+from layers.contract.case import Case
+from layers.contract.config import TINY
 from layers.registry import get_layer
 layer, order = sys.argv[1], [int(r) for r in sys.argv[2].split(',')]
 case = Case(layer, TINY, 4, 32, 11)
@@ -69,8 +69,8 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 def test_o_weights_drawn_once_are_the_streamed_shard_and_full_weights(layer, scope):
     """The golden-computing rank's fixture (one draw of the O weights, the shard sliced from
     the full ones) is bit for bit the streamed shard plus the separately built full weights."""
-    from layers.case import Case
-    from layers.config import TINY
+    from layers.contract.case import Case
+    from layers.contract.config import TINY
     from layers.scopes import get_scope
 
     lay = get_scope(layer, scope)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from launcher import devices
-from layers.config import ConfigError
-from layers.numerics import int8_matmul
+from layers.contract.config import ConfigError
+from layers.components.numerics import int8_matmul
 
 from .conftest import REPO
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from layers.case import Case
-from layers.config import PRESETS
+from layers.contract.case import Case
+from layers.contract.config import PRESETS
 from layers.registry import get_layer
 
 from . import defects

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from launcher import golden_cache
-from layers.base import Kind, TensorSpec
+from layers.contract.tensors import Kind, TensorSpec
 
 SWA = dict(layer="swa", tp=2, model="tiny")
 

@@ -2,7 +2,7 @@
 
 `naive_compress` walks the spec's pseudo-code one request, one token and one window position
 at a time and pools in float64, so it shares no code (and no summation order) with
-`layers.hca_compressor`. State rows are copies of the fp32 projections and must match
+`layers.components.hca_compressor`. State rows are copies of the fp32 projections and must match
 exactly; committed cmp_kv rows are bf16 roundings of a pooled fp32 row and must match within
 the comparator's tolerance (1 bf16 ulp), while every row the step must not write stays
 bit-identical.
@@ -15,9 +15,10 @@ import math
 import pytest
 import torch
 
-from layers import hca, hca_compressor
-from layers.case import Case
-from layers.config import TINY
+from layers import hca
+from layers.components import hca_compressor
+from layers.contract.case import Case
+from layers.contract.config import TINY
 
 RATIO = 128
 # TINY with the FLASH decode batch, so a rank can hold the odd batch 31 of §10.1.

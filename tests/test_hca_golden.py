@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from layers import hca
-from layers.base import Kind
-from layers.case import Case
-from layers.config import SMALL
+from layers.contract.tensors import Kind
+from layers.contract.case import Case
+from layers.contract.config import SMALL
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peer"

@@ -13,13 +13,18 @@ import time
 import pytest
 import torch
 
-from layers import attention, hca, metadata, rope
-from layers.base import Kind, PoolCheck, RankContext, RelDiffCheck
-from layers.case import Case
-from layers.config import TINY, ConfigError
+from layers import hca
+from layers.components import attention
+from layers.components import metadata
+from layers.components import rope
+from layers.contract.checks import PoolCheck, RelDiffCheck
+from layers.contract.context import RankContext
+from layers.contract.tensors import Kind
+from layers.contract.case import Case
+from layers.contract.config import TINY, ConfigError
 
 # The attention's exps as the layer evaluates them: correctly rounded fp32 (test_attention.py).
-from layers.attention import exp_rounded_from_fp64 as _exp
+from layers.components.attention import exp_rounded_from_fp64 as _exp
 
 RATIO = 128
 WIDE = TINY.replace(name="tiny-wide", decode_batch=64)  # room for batch 31 (hca.md §10.1)
@@ -324,9 +329,9 @@ def test_validate_accepts_the_tiny_preset_at_every_tp():
 @pytest.mark.parametrize(
     "target, pool",
     [
-        ("layers.hca_compressor.commit", "cmp_kv"),  # a missed commit
-        ("layers.hca_compressor.window_state_rows", "cmp_kv"),  # pooling over the wrong rows
-        ("layers.hca_compressor.rope_compressed", "cmp_kv"),  # a wrong rope position
+        ("layers.components.hca_compressor.commit", "cmp_kv"),  # a missed commit
+        ("layers.components.hca_compressor.window_state_rows", "cmp_kv"),  # pooling over the wrong rows
+        ("layers.components.hca_compressor.rope_compressed", "cmp_kv"),  # a wrong rope position
         ("layers.hca.write_kv_cache", "kv_cache"),
     ],
 )

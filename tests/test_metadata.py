@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layers import metadata as md
+from layers.components import metadata as md
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peer"
 

@@ -19,11 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from layers import attention, output_half, swa, tp
-from layers.base import RankContext
-from layers.case import Case
-from layers.config import TINY
-from layers.numerics import bf16
+from layers import swa
+from layers.distributed import collectives as tp
+from layers.tp import TorchTP
+from layers.components import attention
+from layers.components import o_proj as output_half
+from layers.contract.context import RankContext
+from layers.contract.case import Case
+from layers.contract.config import TINY
+from layers.components.numerics import bf16
 
 # Generic dims of the projection tests (the functions are shape-generic): G = 8 groups so
 # that tp = 2 and 4 both own whole groups; GI >= OL for the selection design.
@@ -301,7 +305,7 @@ def test_tp1_collectives_are_identities_without_a_group():
 # -- the SWA layer's TP forward on real processes ---------------------------------------------
 def _swa_forward_job(ctx, case):
     tensors = swa.LAYER.rank_inputs(case, ctx.rank)
-    return tp.TorchTP()(RankContext(case, ctx.rank, ctx.device, ctx.group), tensors)
+    return TorchTP()(RankContext(case, ctx.rank, ctx.device, ctx.group), tensors)
 
 
 def test_swa_tp2_forward_matches_per_rank_golden():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from launcher import heatmap, report
-from layers.base import PoolCheck, RelDiffCheck
+from layers.contract.checks import PoolCheck, RelDiffCheck
 
 from . import defects
 

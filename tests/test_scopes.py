@@ -19,12 +19,14 @@ import torch
 
 from launcher import snapshot
 from launcher.comparators import build_comparator
-from layers import output_half, scopes, tp
-from layers.base import Kind
-from layers.case import Case
-from layers.checks_extra import AllcloseCheck, ExactCheck, PrefixTailCheck
-from layers.config import TINY, ConfigError
-from layers.numerics import bf16
+from layers import scopes
+from layers.distributed import collectives
+from layers.components import o_proj as output_half
+from layers.contract.tensors import Kind
+from layers.contract.case import Case
+from layers.contract.checks import AllcloseCheck, ExactCheck, PrefixTailCheck
+from layers.contract.config import TINY, ConfigError
+from layers.components.numerics import bf16
 from layers.registry import get_layer
 from launcher.stage_comparators import PrefixAndTail, SentinelExact
 
@@ -229,7 +231,7 @@ def _writes_padding_row(ctx, tensors):
 def _gathers_capacity_rows(ctx, tensors):
     """The kv all-gather sends every capacity row (padded stride, poison included)."""
     out = scopes.get_scope("swa", "collectives").forward(ctx, tensors)
-    whole = scopes.kv_all_gather(ctx, tensors["kv_local"])  # [P·LOCAL_T, D]
+    whole = collectives.kv_all_gather(ctx, tensors["kv_local"])  # [P·LOCAL_T, D]
     out["kv_group"].copy_(whole)
     return out
 
@@ -238,7 +240,7 @@ def _padded_stride_all_to_all(ctx, tensors):
     """The group all-to-all sends LOCAL_T_PAD rows per group and lands them at s·LOCAL_T_PAD (P9)."""
     out = scopes.get_scope("swa", "collectives").forward(ctx, tensors)
     m, pad = ctx.model, ctx.case.local_t_pad
-    whole = tp.group_all_to_all(ctx, tensors["attention_grouped"].view(m.o_groups, pad, m.group_in))
+    whole = collectives.group_all_to_all(ctx, tensors["attention_grouped"].view(m.o_groups, pad, m.group_in))
     out["attention_local_groups"].copy_(whole.reshape(-1, m.group_in))
     return out
 
@@ -284,7 +286,7 @@ def _reduce_scatter_without_sum(ctx, tensors):
         t = o_partial.shape[0] // ctx.tp
         return bf16(o_partial[ctx.rank * t : (ctx.rank + 1) * t])
 
-    with mock.patch("layers.tp.reduce_scatter", own_rows):
+    with mock.patch("layers.distributed.collectives.reduce_scatter", own_rows):
         return scopes.get_scope("swa", "output").forward(ctx, tensors)
 
 

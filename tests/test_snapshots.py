@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from launcher import snapshot
-from layers.base import Kind
-from layers.case import Case
-from layers.config import TINY, ConfigError
+from layers.contract.tensors import Kind
+from layers.contract.case import Case
+from layers.contract.config import TINY, ConfigError
 from layers.registry import get_layer
 
 from .conftest import peer_snapshot, run_cli

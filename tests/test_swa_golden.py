@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from layers import swa
-from layers.base import Kind, RankContext
-from layers.case import Case
-from layers.config import SMALL, TINY, ConfigError
+from layers.contract.context import RankContext
+from layers.contract.tensors import Kind
+from layers.contract.case import Case
+from layers.contract.config import SMALL, TINY, ConfigError
 
 PEER = Path(__file__).resolve().parents[2] / "shared" / "peer"
 

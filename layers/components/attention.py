@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from . import rope
-from .config import ModelConfig, ceil_div
+from ..contract.config import ModelConfig, ceil_div
 from .numerics import bf16, f32
 
 # Mask value of the SWA/CSA/HCA attention modules (swa.md §1.2, P2): exp(NEG_INF - m) is

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import rope
-from .config import ModelConfig
+from ..contract.config import ModelConfig
 from .numerics import bf16, f32, int8_matmul, int8_quant_per_row
 
 COMPRESS_RATIO = 4

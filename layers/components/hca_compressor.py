@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .config import ModelConfig
+from ..contract.config import ModelConfig
 from .numerics import bf16, f32
 
 COMPRESS_RATIO = 128

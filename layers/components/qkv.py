@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from ..contract.config import ModelConfig
 from .numerics import bf16, bf16_matmul, f32, int8_matmul, int8_quant_per_row
 from .rope import apply_rope
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .config import ModelConfig
+from ..contract.config import ModelConfig
 from .numerics import bf16, f32
 
 _DTYPE_NAMES = {

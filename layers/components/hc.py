@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from ..contract.config import ModelConfig
 from .numerics import bf16, f32
 
 # Chunk width of the sum of squares of hc_pre's inverse RMS (RMS_K_CHUNK).

@@ -1,11 +1,11 @@
-"""Stage-level checks (as data) for the focused scopes and for bisect (validation.md §12.5).
+"""The checks a compared tensor is judged by, as data (the launcher builds the comparators).
 
-The layer checks of `layers.base` judge a whole decode step (pools, x_out); these judge one
-stage of it: a collective's bitwise data movement with its sentinel and poison values, the
-sharded projection's valid prefix with an exactly-zero tail, the output half's valid prefix
-with an untouched sentinel tail, and a stage's output given the same inputs as the golden's.
-`launcher.stage_comparators` turns them into comparators; `launcher.comparators.build_comparator`
-dispatches to it.
+Layer checks judge a whole decode step: a cache/state pool only where the step wrote
+(`PoolCheck`, validation.md §9) and x_out by a floored relative difference with a bad-point
+budget (`RelDiffCheck`, §10). Stage checks judge one stage (the focused scopes and bisect,
+§12.5): a collective's bitwise data movement with its sentinel and poison values, the sharded
+projection's valid prefix with an exactly-zero tail, the output half's valid prefix with an
+untouched sentinel tail, and a stage's output given the same inputs as the golden's.
 
 Axes are per rank: the leading rank axis of the stacked `[P, ...]` tensors the worker compares
 is not counted in `valid_axis` (the comparator adds it).
@@ -14,6 +14,30 @@ is not counted in `valid_axis` (the comparator adds it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class PoolCheck:
+    """A cache/state pool compared only where the step wrote (spec validation.md §9)."""
+
+    output: str
+    mapping: str
+    block_size: int
+    atol: float
+    rtol: float
+    max_error_ratio: float = 0.005
+    pool_name: str = "pool"
+
+
+@dataclass(frozen=True)
+class RelDiffCheck:
+    """A floored relative-difference gate with a bad-point budget (validation.md §10)."""
+
+    output: str
+    diff_thd: float
+    pct_thd: float
+    max_diff_hd: float
 
 
 @dataclass(frozen=True)
@@ -63,4 +87,6 @@ class PrefixTailCheck(StageCheck):
     valid_axis: int = 0
 
 
-__all__ = ["StageCheck", "ExactCheck", "AllcloseCheck", "PrefixTailCheck"]
+Check = Union[PoolCheck, RelDiffCheck, StageCheck]
+
+__all__ = ["PoolCheck", "RelDiffCheck", "StageCheck", "ExactCheck", "AllcloseCheck", "PrefixTailCheck", "Check"]

@@ -1,0 +1,74 @@
+"""The interface between the orchestrator and a decode layer (or a focused scope of one).
+
+A `Layer` knows, for one `Case`: which tensors a rank holds, how to build rank r's slice
+deterministically, the full (unsharded) O weights the golden needs, the single-device golden
+of one rank's shard, its own TP implementation, and the checks its outputs are judged by (as
+data; the launcher builds the comparators).
+
+An implementation under test is any callable `impl(ctx: RankContext, tensors) -> outputs`:
+`tensors` holds the rank's inputs and in-out tensors on `ctx.device` (O weights sharded), and
+it returns `x_out` and every in-out tensor after the step (mutating them in place is fine).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+
+from .case import Case
+from .checks import Check
+from .config import ModelConfig
+from .context import RankContext
+from .tensors import Kind, TensorSpec
+
+
+class Layer(abc.ABC):
+    name: ClassVar[str]
+    # The golden projects with the full O weights (`full_o_weights`) in place of the rank's
+    # shards; a focused scope without a sharded projection sets False.
+    sharded_o_weights: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def validate(self, case: Case) -> None:
+        """Raise ConfigError for a case this layer cannot run (before any process starts)."""
+
+    @abc.abstractmethod
+    def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
+        """Every tensor of one rank in the spec's order (wo_a / wo_b as the rank's shard)."""
+
+    @abc.abstractmethod
+    def rank_inputs(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
+        """Rank `rank`'s inputs and in-out initial values, built without the other ranks'."""
+
+    @abc.abstractmethod
+    def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unsharded `(wo_a [G, OL, GI], wo_b [D, G*OL])` the golden projects with."""
+
+    def rank_inputs_and_full_o(self, case: Case, rank: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """`rank_inputs` and `full_o_weights` together, for a rank that computes its golden.
+        This default builds them apart; `layers.fixtures.o_weights` draws the O weights once."""
+        return self.rank_inputs(case, rank), self.full_o_weights(case)
+
+    @abc.abstractmethod
+    def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The TP1 layer on one rank's tensors with full O weights; in-outs updated in place."""
+
+    @abc.abstractmethod
+    def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This project's TP implementation of the layer on one rank."""
+
+    @abc.abstractmethod
+    def checks(self, case: Case) -> tuple[Check, ...]:
+        """The comparators of every compared output, in the spec's validation order."""
+
+    # -- derived helpers ---------------------------------------------------------------------
+    def compared_names(self, case: Case) -> tuple[str, ...]:
+        return tuple(c.output for c in self.checks(case))
+
+    def names_of(self, case: Case, kind: Kind) -> tuple[str, ...]:
+        return tuple(n for n, s in self.tensor_specs(case).items() if s.kind is kind)
+
+
+__all__ = ["Layer"]

@@ -1,0 +1,79 @@
+"""Raw-byte collectives: every tensor crosses the wire as its bytes (a uint8 view).
+
+Bytes are bit-exact for every dtype and accepted by every backend (gloo's all_to_all rejects
+int16, the bit-pattern dtype of bf16; validation.md §5.4). Each function takes the process
+group and world size explicitly, never a default group from the environment; at world size 1
+nothing is sent. `torch.distributed` is imported only when something is sent: the goldens and
+tp = 1 runs never need it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def all_to_all(send: torch.Tensor, group, world: int) -> torch.Tensor:
+    """`send [P, ...]`: block d goes to rank d; returns `recv [P, ...]`, block s from rank s."""
+    if world == 1:
+        return send
+    import torch.distributed as dist
+
+    wire = send.contiguous().view(torch.uint8)  # [P, ..., bytes of the last axis]
+    recv = torch.empty_like(wire)
+    dist.all_to_all_single(recv, wire, group=group)
+    return recv.view(send.dtype).reshape(send.shape)
+
+
+def all_gather(t: torch.Tensor, group, world: int) -> torch.Tensor:
+    """Every rank's `t`, stacked `[P, ...]` on `t`'s device (rank-major)."""
+    if world == 1:
+        return t[None]
+    import torch.distributed as dist
+
+    wire = _bytes(t)
+    parts = torch.empty((world, wire.numel()), dtype=torch.uint8, device=t.device)
+    dist.all_gather(list(parts.unbind(0)), wire, group=group)
+    return parts.view(t.dtype).reshape(world, *t.shape)
+
+
+def gather(t: torch.Tensor, rank: int, world: int, group=None, dst: int = 0) -> torch.Tensor | None:
+    """Every rank's `t` stacked `[P, ...]` on rank `dst` (on the CPU); None on the other ranks.
+
+    Rank `dst` receives each rank's bytes straight into its row of one stacked tensor. On gloo
+    that takes point-to-point receives: gloo's gather receives into a flat buffer of the same
+    size first and copies from it. NCCL's and HCCL's gathers write the rows themselves and
+    keep to the group's own communicator (their point-to-point ops would open one per pair).
+    Ranks are group ranks; `dst` is translated to its global rank for the point-to-point ops.
+    """
+    wire = _bytes(t)
+    if world == 1:
+        return wire.cpu().view(t.dtype).reshape(1, *t.shape)
+    import torch.distributed as dist
+
+    stacked = torch.empty((world, wire.numel()), dtype=torch.uint8, device=t.device) if rank == dst else None
+    global_dst = _global(group, dst)
+    if dist.get_backend(group) != "gloo":
+        dist.gather(wire, list(stacked.unbind(0)) if rank == dst else None, dst=global_dst, group=group)
+    elif rank != dst:
+        dist.send(wire, dst=global_dst, group=group)
+    else:
+        receives = [dist.irecv(stacked[src], src=_global(group, src), group=group) for src in range(world) if src != dst]
+        stacked[dst].copy_(wire)
+        for r in receives:
+            r.wait()
+    if rank != dst:
+        return None
+    return stacked.cpu().view(t.dtype).reshape(world, *t.shape)
+
+
+def _global(group, rank: int) -> int:
+    import torch.distributed as dist
+
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+__all__ = ["all_to_all", "all_gather", "gather"]
