@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from layers.contract.config import ConfigError
-from layers.scopes import get_scope
+from layers.registry import validated
 
 from . import devices, progress, report, snapshot, sweep
 from .launch import launch
@@ -40,11 +40,9 @@ sweep.register_resolvers()
 def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
     """Every check the config alone allows, before any process is started."""
     spec = run_spec(cfg, output_dir)
-    layer = get_scope(spec.case.layer, spec.case.scope)
     if spec.golden_data:
-        spec = _with_snapshot_local_t(spec, cfg.local_t, layer)
-    spec.case.validate()
-    layer.validate(spec.case)
+        spec = _with_snapshot_local_t(spec, cfg.local_t)
+    layer = validated(spec.case)
     if spec.golden_data:
         snapshot.check(spec.golden_data, layer.tensor_specs(spec.case), spec.case.tp)
     backend = devices.resolve_backend(spec.backend)
@@ -59,7 +57,7 @@ def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
     return spec
 
 
-def _with_snapshot_local_t(spec: RunSpec, requested, layer) -> RunSpec:
+def _with_snapshot_local_t(spec: RunSpec, requested) -> RunSpec:
     """A replayed snapshot fixes local_t (its in/local_t.pt); an explicit different one is refused."""
     path = os.path.join(spec.golden_data, "in", "local_t.pt")
     if not os.path.isfile(path):

@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from layers.contract.case import TOKEN_TILE, Case
-from layers.scopes import get_scope
+from layers.registry import get_scope
 from layers.contract.config import ConfigError, ModelConfig
 
 from .faults import Fault

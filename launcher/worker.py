@@ -40,7 +40,7 @@ from layers.contract.checks import PoolCheck
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
 from layers.distributed import wire
-from layers.scopes import get_scope
+from layers.registry import get_scope
 
 from . import bisect, devices, faults, forkserver, golden_cache, heatmap, snapshot
 from .comparators import build_comparator, initial_key
@@ -132,7 +132,7 @@ def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dic
     tensors = {n: t.clone() if n in inout else t for n, t in inputs.items()}
     if layer.sharded_o_weights:
         tensors["wo_a"], tensors["wo_b"] = wo_full
-    out = layer.golden(case.model, tensors)
+    out = layer.golden(case, tensors)
     return {n: out[n] for n in layer.compared_names(case)}
 
 

@@ -7,6 +7,7 @@ adds its own (start-position ceilings, pool capacity) in `Layer.validate`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .config import ConfigError, ModelConfig, round_up
@@ -64,7 +65,7 @@ class Case:
         if m.decode_batch % tp:
             raise ConfigError(f"tp={tp} must divide the decode batch {m.decode_batch} of model {m.name!r}")
         cap = self.capacity
-        step = TOKEN_TILE * self.seq // _gcd(TOKEN_TILE, self.seq)
+        step = row_block(m)
         if not (TOKEN_TILE <= t <= cap) or t % step:
             raise ConfigError(
                 f"local_t={t} must be a multiple of {step} (token tile {TOKEN_TILE} and decode seq {self.seq}) "
@@ -100,7 +101,6 @@ class Case:
                 )
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
+def row_block(model: ModelConfig) -> int:
+    """Tokens of one row block: whole requests in whole 8-row token tiles, lcm(8, decode_seq)."""
+    return math.lcm(TOKEN_TILE, model.decode_seq)
