@@ -1,9 +1,9 @@
 """The streamed fixture draws and weight quantizers give the bits of whole-tensor draws.
 
 `layers.fixtures.draw` cuts a key's normal stream into row blocks drawn into one reused
-buffer, and the weight quantizers of `layers.components.numerics` walk a weight by row
-blocks: neither may change a value against one `torch.randn` of the whole tensor and the
-whole-tensor formulas, whatever the block size.
+buffer, and the weight quantizers of `layers.components.numerics` and the MoE / indexer
+recipes walk a weight by row blocks: none may change a value against one `torch.randn` of
+the whole tensor and the whole-tensor formulas, whatever the block size.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import torch
 
 from layers.components import numerics
 from layers.components.numerics import quant_weight_int8, quantize_weight_int8, weight_amax
-from layers.contract.case import Case
+from layers.contract.case import Case, MoECase
 from layers.contract.config import TINY
 from layers.fixtures import csa as csa_fixture
 from layers.fixtures import draw
+from layers.fixtures import moe as moe_fixture
 from layers.registry import get_layer
 
 SHAPES = [(), (3,), (16,), (17,), (5, 7), (33, 1000), (4, 1025), (8, 32, 1, 64), (300, 1), (2, 3, 70001)]
@@ -153,3 +154,63 @@ def test_fixture_values_do_not_depend_on_the_block_size(layer, monkeypatch):
     assert list(small) == list(ref)
     assert [n for n in ref if not _same_bits(small[n], ref[n])] == []
     assert _same_bits(a, ref_a) and _same_bits(b, ref_b)
+
+
+# -- the MoE recipes (moe.md §6), streamed against the whole-weight formulas -----------------------
+def _int8_per_row_whole(wq: torch.Tensor, std: float):
+    cs = wq.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / 127.0
+    codes = torch.clamp(torch.round(wq / cs), -127, 127)
+    return codes.to(torch.int8), (cs * (std / torch.std(codes * cs))).squeeze(-1)
+
+
+def _pow2(amax: torch.Tensor, top: float) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2((amax / top).clamp_min(1e-20))))
+
+
+def _g4_whole(shape, std, seed, *key):
+    out_dim, in_dim = shape
+    groups = _whole(shape, seed, *key).view(out_dim, in_dim // 32, 32)
+    gs = _pow2(groups.abs().amax(dim=-1, keepdim=True), 6.0)
+    levels = torch.tensor(moe_fixture.FP4_LEVELS)
+    q = levels[torch.bucketize(groups.abs() / gs, torch.tensor(moe_fixture.FP4_MIDPOINTS), right=False)]
+    return _int8_per_row_whole((q * gs).copysign(groups).view(shape), std)
+
+
+def _g8_whole(shape, std, cv, seed, *key):
+    out_dim, in_dim = shape
+    gen = draw.generator(seed, *key)
+    w = torch.randn(shape, generator=gen)
+    w = w * torch.exp(cv * torch.randn(out_dim, 1, generator=gen))
+    blocks = w.view(out_dim // 128, 128, in_dim // 128, 128)
+    bs = _pow2(blocks.abs().amax(dim=(1, 3), keepdim=True), 448.0)
+    return _int8_per_row_whole(((blocks / bs).to(torch.float8_e4m3fn).float() * bs).view(shape), std)
+
+
+@pytest.mark.parametrize("block_values", [4096, draw.BLOCK_VALUES])
+@pytest.mark.parametrize("shape", [(256, 512), (512, 256), (384, 128)], ids=str)
+def test_moe_weights_are_the_whole_weight_recipes(shape, block_values, monkeypatch):
+    monkeypatch.setattr(draw, "BLOCK_VALUES", block_values)
+    codes, scale = moe_fixture.g4(shape, 0.02, 4, "moe", "w", 1)
+    ref_codes, ref_scale = _g4_whole(shape, 0.02, 4, "moe", "w", 1)
+    assert _same_bits(codes, ref_codes) and _same_bits(scale, ref_scale)
+    codes, scale = moe_fixture.g8(shape, 0.01, 0.5, 4, "moe", "s")
+    ref_codes, ref_scale = _g8_whole(shape, 0.01, 0.5, 4, "moe", "s")
+    assert _same_bits(codes, ref_codes) and _same_bits(scale, ref_scale)
+    out = torch.empty(shape, dtype=torch.int8)
+    assert moe_fixture.g4(shape, 0.02, 4, "moe", "w", 1, out=out)[0] is out
+
+
+def test_moe_fixture_does_not_depend_on_the_block_size(monkeypatch):
+    case = MoECase(TINY, 2, 11)
+    ref = moe_fixture.rank_inputs(case, 1)
+    monkeypatch.setattr(draw, "BLOCK_VALUES", 2048)
+    small = moe_fixture.rank_inputs(case, 1)
+    assert list(small) == list(ref)
+    assert [n for n in ref if not _same_bits(small[n], ref[n])] == []
+
+
+def test_e4m3_rounding_is_the_fp8_cast():
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(100000, generator=g) * s for s in (1e-3, 1.0, 100.0, 448.0)])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-9, 2.0**-10, 1.0625, 1.1875, 3 * 2.0**-10])])
+    assert _same_bits(numerics.round_to_e4m3(x), x.to(torch.float8_e4m3fn).to(torch.float32))

@@ -137,6 +137,17 @@ def quantize_weight_int8(
     return q, (1.0 / scale_quant).squeeze(axis)
 
 
+# Every float8_e4m3fn value by its bits, as fp32: the fp8 -> fp32 conversion has no
+# vectorized CPU kernel (~10 ns a value, 40x the other way), a lookup is exact and ~5x faster.
+_E4M3_BY_BITS = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """`f32(x.to(float8_e4m3fn))`: x rounded to the nearest e4m3 value, as fp32 (bit for bit)."""
+    bits = x.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+    return torch.index_select(_E4M3_BY_BITS.to(x.device), 0, bits.reshape(-1)).view(x.shape)
+
+
 # Columns of the int8 right operand widened at a time (elements): a flash wq_b [1024, 32768]
 # widened whole would be a 128 MiB fp32 transient on every rank.
 _WIDEN_CHUNK_ELEMENTS = 1 << 22
