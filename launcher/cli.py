@@ -27,9 +27,11 @@ from omegaconf.errors import OmegaConfBaseException
 from layers.contract.config import ConfigError
 from layers.scopes import get_scope
 
-from . import devices, progress, report, snapshot, sweep
-from .launch import launch
-from .schema import RunSpec, register, run_spec
+from launcher import progress, report, sweep
+from launcher.config.schema import RunSpec, register, run_spec
+from launcher.run import devices
+from launcher.run.launch import launch
+from launcher.store import snapshot
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 

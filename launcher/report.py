@@ -24,8 +24,8 @@ import traceback
 import torch
 
 from . import heatmap
-from .launch import LaunchOutcome
-from .schema import RunSpec
+from .config.schema import RunSpec
+from .run.launch import LaunchOutcome
 
 STAGES = ("fixture", "golden", "save", "layer", "gather", "compare", "bisect")
 

@@ -16,8 +16,8 @@ from hydra import compose, initialize_config_module
 
 from . import report
 from .cli import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, preflight
-from .launch import LaunchOutcome
-from .worker import rank_main
+from .run.launch import LaunchOutcome
+from .run.worker import rank_main
 from layers.contract.config import ConfigError
 
 

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from launcher import snapshot
+from launcher.store import snapshot
 from launcher.comparators import build_comparator
 from layers import scopes
 from layers.distributed import collectives

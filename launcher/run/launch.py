@@ -23,9 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from . import devices, forkserver
-from .schema import RunSpec
-from .worker import progress_path, rank_main
+from launcher.config.schema import RunSpec
+from launcher.run import devices, forkserver
+from launcher.run.worker import progress_path, rank_main
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause.

@@ -12,7 +12,7 @@ import multiprocessing.forkserver
 import os
 
 # Imported by the forkserver once, so that each rank starts without re-importing torch.
-PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.worker", "layers.swa", "layers.csa", "layers.hca",
+PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "layers.swa", "layers.csa", "layers.hca",
            "layers.scopes", "layers.stages", "launcher.bisect"]
 
 # MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and

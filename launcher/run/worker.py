@@ -42,9 +42,11 @@ from layers.contract.tensors import Kind
 from layers.distributed import wire
 from layers.scopes import get_scope
 
-from . import bisect, devices, faults, forkserver, golden_cache, heatmap, snapshot
-from .comparators import build_comparator, initial_key
-from .schema import RunSpec
+from launcher import bisect, heatmap
+from launcher.comparators import build_comparator, initial_key
+from launcher.config.schema import RunSpec
+from launcher.run import devices, faults, forkserver
+from launcher.store import golden_cache, snapshot
 
 log = logging.getLogger("launcher.worker")
 
