@@ -39,7 +39,8 @@ from layers.contract.checks import ExactCheck
 from layers.distributed import wire
 from layers.stages import Stage, layer_stages, staged_forward
 
-from .comparators import build_comparator, initial_key
+from launcher.verify.base import initial_key
+from launcher.verify.build import build_comparator
 
 OUTPUTS_STAGE = "outputs"
 

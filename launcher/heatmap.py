@@ -29,7 +29,7 @@ import torch
 
 from layers.contract.checks import Check, PoolCheck, RelDiffCheck
 
-from .comparators import ratio_reldiff
+from launcher.verify.ratio import ratio_reldiff
 
 TOKEN_TILE = 8  # the token axis is padded and split in 8-row tiles (layers.contract.case)
 _AXES = {"x_out": ("token", "hc", "channel")}

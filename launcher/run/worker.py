@@ -43,7 +43,8 @@ from layers.distributed import wire
 from layers.scopes import get_scope
 
 from launcher import bisect, heatmap
-from launcher.comparators import build_comparator, initial_key
+from launcher.verify.base import initial_key
+from launcher.verify.build import build_comparator
 from launcher.config.schema import RunSpec
 from launcher.run import devices, faults, forkserver
 from launcher.store import golden_cache, snapshot
