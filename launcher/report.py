@@ -135,7 +135,7 @@ def render(result: dict) -> str:
         lines.append("against the golden recomputed from the snapshot's in/:")
         lines += _verdict_lines(result["recomputed_verdicts"])
     if result.get("bisect"):
-        from .bisect import render as render_bisect  # the stage table of a bisected failure
+        from .verify.bisect import render as render_bisect  # the stage table of a bisected failure
 
         lines += render_bisect(result["bisect"]).splitlines()
     verdict = "PASS" if result["passed"] else "FAIL"

@@ -1,4 +1,4 @@
-"""Bisect (launcher.bisect, layers.stages) on real gloo ranks: each stage's defect is found there.
+"""Bisect (launcher.verify.bisect, layers.stages) on real gloo ranks: each stage's defect is found there.
 
 A defect is the default implementation with one stage monkeypatched inside its own call (the
 pattern of tests/defects.py), on one rank where the stage is rank-local, so the report must
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.bisect import OUTPUTS_STAGE, bisect_rank, every_rank, gather_bisect, golden_chain, render
+from launcher.verify.bisect import OUTPUTS_STAGE, bisect_rank, every_rank, gather_bisect, golden_chain, render
 from layers import stages, swa, tp
 from layers.distributed import collectives
 from layers.components import attention

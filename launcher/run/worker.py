@@ -42,7 +42,8 @@ from layers.contract.tensors import Kind
 from layers.distributed import wire
 from layers.scopes import get_scope
 
-from launcher import bisect, heatmap
+from launcher import heatmap
+from launcher.verify import bisect
 from launcher.verify.base import initial_key
 from launcher.verify.build import build_comparator
 from launcher.config.schema import RunSpec
