@@ -47,7 +47,7 @@ class ReportSchema:
 
 @dataclass
 class FaultSchema:
-    kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.faults)
+    kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.run.faults)
     rank: int = 0
     stage: str = "layer"  # fixture | golden | save | layer | gather | compare
 

@@ -16,7 +16,7 @@ import re
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -50,6 +50,11 @@ class LaunchOutcome:
     failure: RankFailure | None
     log_dir: str
     interrupted: int | None = None  # the signal that stopped the launcher (every rank was stopped)
+
+    @property
+    def error(self) -> dict | None:
+        """The root-cause failure as result.json's `error` entry; None when every rank succeeded."""
+        return asdict(self.failure) if self.failure is not None else None
 
 
 def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:

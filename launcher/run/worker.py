@@ -42,15 +42,14 @@ from layers.contract.tensors import Kind
 from layers.distributed import wire
 from layers.scopes import get_scope
 
-from launcher import heatmap
-from launcher.verify import bisect
+from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
 from launcher.verify.build import build_comparator
 from launcher.config.schema import RunSpec
 from launcher.run import devices, faults, forkserver
 from launcher.store import golden_cache, snapshot
 
-log = logging.getLogger("launcher.worker")
+log = logging.getLogger("launcher.run.worker")
 
 
 class ImplContractError(RuntimeError):
@@ -189,7 +188,7 @@ def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> 
         )
         verdict = {"tensor": check.output, **v.to_dict()}
         if not v.passed:  # where the errors are: per rank x row block / head group / page
-            verdict["where"] = heatmap.error_maps(
+            verdict["where"] = where.error_maps(
                 check.output, check, actual[check.output], golden[check.output], inputs, seq=case.seq
             )
         verdicts.append(verdict)

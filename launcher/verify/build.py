@@ -9,7 +9,15 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from layers.contract.checks import AllcloseCheck, Check, ExactCheck, PoolCheck, PrefixTailCheck, RelDiffCheck, StageCheck
+from layers.contract.checks import (
+    AllcloseCheck,
+    Check,
+    ExactCheck,
+    PoolCheck,
+    PrefixTailCheck,
+    RelDiffCheck,
+    StageCheck,
+)
 
 from launcher.verify.base import Comparator, Verdict, base_figures, initial_key
 from launcher.verify.exact import AllClose, PrefixAndTail, SentinelExact

@@ -2,9 +2,9 @@
 
 Owns the console side only; the events come from elsewhere. Each rank appends its stage
 events (`{rank, stage, event: start|done|failed, t}`, one JSON object a line) to
-`<output_dir>/progress/rank<r>.jsonl` (`launcher.worker.progress_path`); `StageWatcher` polls
+`<output_dir>/progress/rank<r>.jsonl` (`launcher.run.worker.progress_path`); `StageWatcher` polls
 those files from a thread of the launcher process while the ranks run. The sweep callback
-(`launcher.sweep`) reports jobs as they start and end through the same `Display`.
+(`launcher.report.sweep`) reports jobs as they start and end through the same `Display`.
 
 On a terminal the run in flight is one status line, rewritten in place; everywhere else
 (a pipe, a CI log, a file) every change is a plain line of its own, so the output has no
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 POLL_S = 0.2
-# The stages a rank runs, in order (launcher.worker); a stage not listed sorts after them.
+# The stages a rank runs, in order (launcher.run.worker); a stage not listed sorts after them.
 STAGE_ORDER = ("fixture", "golden", "save", "layer", "gather", "compare")
 # Rank 0 alone compares (it holds the gathered tensors); every other stage runs on all ranks.
 ROOT_ONLY = frozenset({"compare"})
