@@ -22,8 +22,8 @@ from layers.contract.case import TOKEN_TILE, Case
 from layers.scopes import get_scope
 from layers.contract.config import ConfigError, ModelConfig
 
-from launcher.run.faults import Fault
-from launcher.run.faults import check_unset as check_fault_unset
+from launcher.config.faults import Fault
+from launcher.config.faults import check_unset as check_fault_unset
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")

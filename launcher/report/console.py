@@ -9,9 +9,8 @@ failing tensor's comparator account, where its errors are (the grids of
 
 from __future__ import annotations
 
+from launcher.config.rank_stages import RANK_STAGES
 from launcher.verify.bisect import render as render_bisect
-
-STAGES = ("fixture", "golden", "save", "layer", "gather", "compare", "bisect")
 
 
 def fmt(v) -> str:
@@ -64,7 +63,7 @@ def render(result: dict) -> str:
         lines.append(f"VERDICT: {verdict} ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     secs = result["rank_seconds"]
-    stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in STAGES if any(s in (r or {}) for r in secs)]
+    stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in RANK_STAGES if any(s in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
     peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
     lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)

@@ -1,10 +1,12 @@
-"""Fault injection, shipped as config: `fault.kind=K fault.rank=R fault.stage=S`.
+"""Fault injection, shipped as config: `fault.kind=K fault.rank=R fault.stage=S` (the config's
+side, which faults are accepted, is `launcher.config.faults`; this module fires them).
 
 Useful to smoke-test a cluster and the orchestrator itself: each kind must end the run within
 the configured timeout, leave no process behind, exit non-zero, and be reported with the rank
 and stage (and the traceback or NaN counts).
 
-Stages: fixture, golden, save (with save_data only), layer, gather, compare (rank 0 only).
+Stages (`launcher.config.rank_stages`): fixture, golden, save (with save_data only), layer,
+gather, compare (rank 0 only).
 
 | kind      | what rank R does at the start of stage S                                   |
 |-----------|----------------------------------------------------------------------------|
@@ -19,52 +21,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from layers.contract.config import ConfigError
+from launcher.config.faults import OUTPUT_KINDS, Fault
 
-KINDS = ("raise", "exit", "hang", "nan", "corrupt")
-STAGES = ("fixture", "golden", "save", "layer", "gather", "compare")
-OUTPUT_KINDS = ("nan", "corrupt")  # faults in the implementation's outputs, not in the process
 EXIT_STATUS = 3
 
 
 class InjectedFault(RuntimeError):
     """The exception of `fault.kind=raise`."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    rank: int
-    stage: str
-
-    def check(self, tp: int, saves: bool) -> None:
-        """Refuse a fault that could never fire: a smoke test expecting it must not pass silently.
-        `saves`: the run writes a snapshot (the only runs with a 'save' stage)."""
-        if self.kind not in KINDS:
-            raise ConfigError(f"fault.kind={self.kind!r} must be one of {', '.join(KINDS)}")
-        if self.stage not in STAGES:
-            raise ConfigError(f"fault.stage={self.stage!r} must be one of {', '.join(STAGES)}")
-        if not 0 <= self.rank < tp:
-            raise ConfigError(f"fault.rank={self.rank} must be in [0, {tp}) for tp={tp}")
-        if self.kind in OUTPUT_KINDS and self.stage != "layer":
-            raise ConfigError(f"fault.kind={self.kind} corrupts the layer's outputs: it needs fault.stage=layer")
-        if self.stage == "save" and not saves:
-            raise ConfigError("fault.stage=save never runs without save_data=DIR")
-        if self.stage == "compare" and self.rank != 0:
-            raise ConfigError(f"fault.stage=compare runs on rank 0 alone, not on fault.rank={self.rank}")
-
-
-def check_unset(rank: int, stage: str, tp: int) -> None:
-    """Without fault.kind nothing fires, but the rank and stage must still exist: a sweep over
-    `fault.kind=null,hang fault.rank=1` runs both, and a typo must not pass silently."""
-    if stage not in STAGES:
-        raise ConfigError(f"fault.stage={stage!r} must be one of {', '.join(STAGES)}")
-    if not 0 <= rank < tp:
-        raise ConfigError(f"fault.rank={rank} must be in [0, {tp}) for tp={tp}")
 
 
 def at_stage_start(fault: Fault | None, stage: str, rank: int) -> None:

@@ -45,6 +45,7 @@ from layers.scopes import get_scope
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
 from launcher.verify.build import build_comparator
+from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.schema import RunSpec
 from launcher.run import devices, faults, forkserver
 from launcher.store import golden_cache, snapshot
@@ -61,9 +62,10 @@ def progress_path(output_dir: str, rank: int) -> str:
     return os.path.join(output_dir, "progress", f"rank{rank}.jsonl")
 
 
-class _Stages:
-    """Times each stage, records its start/end as progress events, and tags a failure with the
-    rank and stage it happened in."""
+class RankStageTimer:
+    """The stages of this rank's run (`launcher.config.rank_stages`): times each, records its
+    start and end as progress events, fires a configured fault at its start, and tags a failure
+    with the rank and stage it happened in."""
 
     def __init__(self, rank: int, output_dir: str, fault: faults.Fault | None = None):
         self.rank = rank
@@ -77,7 +79,8 @@ class _Stages:
         self._events.write(json.dumps({"rank": self.rank, "stage": name, "event": event, "t": time.time()}) + "\n")
 
     @contextmanager
-    def __call__(self, name: str):
+    def stage(self, name: str):
+        assert name in RANK_STAGES, name
         t0 = time.perf_counter()
         log.info("stage %s ...", name)
         self._event(name, "start")
@@ -262,13 +265,13 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     case = spec.case
     tp = case.tp
     layer = get_scope(case.layer, case.scope)
-    stage = _Stages(rank, spec.output_dir, spec.fault)
+    timer = RankStageTimer(rank, spec.output_dir, spec.fault)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
     in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
     mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
-    with stage("fixture"):
+    with timer.stage("fixture"):
         wo_full = None
         if spec.golden_data:
             inputs = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs)
@@ -279,7 +282,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
-    with stage("golden"):
+    with timer.stage("golden"):
         references, cache_status = {}, None
         if spec.golden_data:
             references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
@@ -289,18 +292,18 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         context = {n: inputs[n].clone() for n in mappings}
         context.update({initial_key(n): inputs[n].clone() for n in inout})
     if spec.save_data:
-        with stage("save"):
+        with timer.stage("save"):
             stacked_in = gather_to_rank0(inputs, in_names, rank, tp, device)
             stacked_out = gather_to_rank0(next(iter(references.values())), compared, rank, tp, device)
             if rank == 0:
                 snapshot.save(spec.save_data, case, specs, stacked_in, stacked_out, _starts(stacked_in, case))
             del stacked_in, stacked_out
-    with stage("layer"):
+    with timer.stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
         outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
         faults.on_outputs(spec.fault, rank, outputs, case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
-    with stage("gather"):
+    with timer.stage("gather"):
         del tensors, inputs  # what the outputs do not alias is freed before rank 0 stacks
         release_freed_memory()  # glibc keeps freed heap resident; the stacks are new mappings
         actual = gather_to_rank0(outputs, compared, rank, tp, device)
@@ -308,25 +311,25 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         expected = {src: gather_to_rank0(ref, compared, rank, tp, device) for src, ref in references.items()}
         context = gather_to_rank0(context, sorted(context), rank, tp, device)
         stats = [None] * tp if rank == 0 else None
-        dist.gather_object({"seconds": stage.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
+        dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
                            stats, dst=0)
     comparisons = None
     if rank == 0:
-        with stage("compare"):
+        with timer.stage("compare"):
             comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
     # Every rank learns the verdict, so every node exits with rank 0's verdict code.
     verdict = [all(v["passed"] for vs in comparisons.values() for v in vs) if rank == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
     located = None
     if spec.bisect and not verdict[0]:
-        with stage("bisect"):
+        with timer.stage("bisect"):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
             fresh = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs) if spec.golden_data else layer.rank_inputs(case, rank)
             ctx = RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD)
             located = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
     if rank != 0:
         return {"passed": verdict[0], "comparisons": None}
-    stats[0].update(seconds=stage.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
+    stats[0].update(seconds=timer.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
     return {
         "passed": verdict[0],
         "bisect": located,
