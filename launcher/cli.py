@@ -9,7 +9,6 @@ Every job leaves `<output_dir>/result.json`, whatever its outcome.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -19,66 +18,25 @@ import time
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import get_object
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from layers.contract.config import ConfigError
-from layers.scopes import get_scope
 
-from launcher.config.resolvers import register_resolvers
-from launcher.config.schema import RunSpec, register, run_spec
+from launcher.config.spec import config_case
 from launcher.report import console, progress, sweep
 from launcher.report.plots import write_plots
 from launcher.report.result import (
     EXIT_ERROR,
     EXIT_PASS,
     build_result,
-    config_case,
     exit_code,
     launcher_error,
     not_launched,
     write_result,
 )
-from launcher.run import devices
 from launcher.run.launch import launch
-from launcher.store import snapshot
-
-register()
-register_resolvers()
-
-
-def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
-    """Every check the config alone allows, before any process is started."""
-    spec = run_spec(cfg, output_dir)
-    layer = get_scope(spec.case.layer, spec.case.scope)
-    if spec.golden_data:
-        spec = _with_snapshot_local_t(spec, cfg.local_t, layer)
-    spec.case.validate()
-    layer.validate(spec.case)
-    if spec.golden_data:
-        snapshot.check(spec.golden_data, layer.tensor_specs(spec.case), spec.case.tp)
-    backend = devices.resolve_backend(spec.backend)
-    devices.check_devices(backend, spec.local_ranks)
-    if spec.nnodes > 1 and spec.node_rank == 0:
-        devices.check_port_free(spec.master_addr, spec.master_port)
-    try:
-        get_object(spec.impl["_target_"])
-    except Exception as e:  # ImportError, AttributeError, ...: all mean "cannot find it"
-        reason = " ".join(str(e).split())
-        raise ConfigError(f"impl._target_={spec.impl['_target_']!r} cannot be imported: {reason}") from e
-    return spec
-
-
-def _with_snapshot_local_t(spec: RunSpec, requested, layer) -> RunSpec:
-    """A replayed snapshot fixes local_t (its in/local_t.pt); an explicit different one is refused."""
-    path = os.path.join(spec.golden_data, "in", "local_t.pt")
-    if not os.path.isfile(path):
-        return spec
-    local_t = int(snapshot.load_scalar(path))
-    if requested is not None and int(requested) != local_t:
-        raise ConfigError(f"local_t={requested} but the snapshot {path} holds local_t={local_t}")
-    return dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=local_t))
+from launcher.run.preflight import preflight
 
 
 def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
@@ -112,7 +70,7 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
         outcome = launch(spec)
     result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
                           wall_s=time.perf_counter() - t0)
-    if cfg.report.plots:
+    if spec.report_plots:
         result["plots"] = write_plots(result, output_dir)
     write_result(output_dir, result, job)
     print(console.render(result))

@@ -13,7 +13,7 @@ import sys
 
 from hydra import compose, initialize_config_module
 
-from launcher.cli import preflight
+from launcher.run.preflight import preflight
 from launcher.report.console import render
 from launcher.report.result import EXIT_ERROR, build_result, exit_code, write_result
 from launcher.run.worker import rank_main

@@ -25,7 +25,7 @@ import traceback
 
 import torch
 
-from launcher.config.schema import RunSpec
+from launcher.config.spec import RunSpec
 
 # The exit status of a run: every compared tensor passed, a mismatch, anything else (an
 # invalid config, a crashed or hung rank, an implementation that broke the contract).
@@ -52,28 +52,13 @@ def write_result(output_dir: str, result: dict, job: dict | None = None) -> None
     os.replace(tmp, path)
 
 
-def _case_dict(spec: RunSpec) -> dict:
-    c = spec.case
-    return {
-        "layer": c.layer,
-        "scope": c.scope,
-        "model": c.model.name,
-        "tp": c.tp,
-        "local_t": c.local_t,
-        "seed": c.seed,
-        "start_pos": list(c.start_pos) if isinstance(c.start_pos, tuple) else c.start_pos,
-        "backend": spec.backend,
-        "impl": spec.impl.get("_target_"),
-    }
-
-
 def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None, log_dir: str,
                  wall_s: float) -> dict:
     """The result of a launched run. `rank_result`: what this node's comparing rank returned
     (`launcher.run.worker.rank_main`; None when a rank failed); `error`: the root-cause rank's
     failure (`launcher.run.launch.RankFailure`, as a dict) or None."""
     result = {
-        "case": _case_dict(spec),
+        "case": spec.case_entry(),
         "model_fields": spec.case.model.fields(),
         "torch": torch.__version__,
         "host": platform.node(),
@@ -104,33 +89,6 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
 
 
 # -- results of runs that never reached the ranks ----------------------------------------------
-
-
-def config_case(cfg) -> dict:
-    """The case as the config states it, for a run refused before a RunSpec exists.
-
-    Each key separately: one value that cannot be read (a bad interpolation) must not hide
-    the others.
-    """
-
-    def get(read):
-        try:
-            v = read()
-        except Exception:  # any unreadable value: the preflight message says why
-            return None
-        return list(v) if hasattr(v, "__len__") and not isinstance(v, str) else v
-
-    return {
-        "layer": get(lambda: cfg.layer.name),
-        "scope": get(lambda: cfg.scope),
-        "model": get(lambda: cfg.model.name),
-        "tp": get(lambda: cfg.tp),
-        "local_t": get(lambda: cfg.local_t),
-        "seed": get(lambda: cfg.seed),
-        "start_pos": get(lambda: cfg.start_pos),
-        "backend": get(lambda: cfg.backend),
-        "impl": get(lambda: cfg.impl["_target_"]),
-    }
 
 
 def not_launched(case: dict, status: str, message: str, *, wall_s: float, stage: str | None = None,

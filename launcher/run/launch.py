@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from launcher.config.schema import RunSpec
+from launcher.config.spec import RunSpec
 from launcher.run import devices, forkserver
 from launcher.run.worker import progress_path, rank_main
 

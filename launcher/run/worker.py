@@ -40,13 +40,12 @@ from layers.contract.checks import PoolCheck
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
 from layers.distributed import wire
-from layers.scopes import get_scope
 
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
 from launcher.verify.build import build_comparator
 from launcher.config.rank_stages import RANK_STAGES
-from launcher.config.schema import RunSpec
+from launcher.config.spec import RunSpec
 from launcher.run import devices, faults, forkserver
 from launcher.store import golden_cache, snapshot
 
@@ -264,7 +263,7 @@ def check_nodes_agree(spec: RunSpec, rank: int) -> None:
 def _run(spec: RunSpec, rank: int, device: torch.device):
     case = spec.case
     tp = case.tp
-    layer = get_scope(case.layer, case.scope)
+    layer = spec.layer
     timer = RankStageTimer(rank, spec.output_dir, spec.fault)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
