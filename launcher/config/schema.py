@@ -1,8 +1,11 @@
-"""Hydra schemas of the run config, registered in Hydra's ConfigStore before any composition.
+"""Hydra schemas of the run config and the model presets, registered in Hydra's ConfigStore
+before any composition.
 
 The model group's schema mirrors `layers.contract.config.ModelConfig` field for field (a frozen
 dataclass cannot be a Hydra node, and derived sizes are properties, so they can never be
-overridden); typos and wrong types fail at composition. Turning a composed config into plain
+overridden); typos and wrong types fail at composition. The model group's options (`model=tiny`,
+...) are `layers.contract.config.PRESETS`, each stored as a node of that schema: the Python
+table is their one source, and any field can still be overridden (`model.decode_batch=32`). Turning a composed config into plain
 dataclasses is `launcher.config.spec.run_spec`'s job alone.
 """
 
@@ -16,7 +19,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from layers.contract.config import ModelConfig
+from layers.contract.config import PRESETS, ModelConfig
 
 from launcher.config.resolvers import register_resolvers
 
@@ -73,9 +76,12 @@ class RunSchema:
 
 
 def register() -> None:
-    """Everything composition needs from Python: the schemas and the resolvers."""
+    """Everything composition needs from Python: the schemas, the model presets and the resolvers."""
     register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunSchema)
     cs.store(group="layer", name="layer_schema", node=LayerSchema)
+    # A model YAML of one's own names it in its defaults list, as the layer options do theirs.
     cs.store(group="model", name="model_schema", node=ModelSchema)
+    for name, preset in PRESETS.items():
+        cs.store(group="model", name=name, node=ModelSchema(**dataclasses.asdict(preset)))
