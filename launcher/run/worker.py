@@ -1,9 +1,10 @@
 """The per-rank entry point: build the rank's fixture slice, run the implementation, gather, judge.
 
 Runs in every process the elastic agent starts (or under an external torchrun, which sets the
-same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order:
+same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order
+(`launcher.config.rank_stages`):
 
-    fixture -> golden -> [save] -> layer -> gather -> compare (rank 0)
+    fixture -> golden -> [save] -> layer -> gather -> compare (rank 0) -> [bisect]
 
 The golden of a rank's shard (the single-device layer on that rank's tensors with the full O
 weights, spec validation.md §5.3) is computed on that rank, in parallel with the others, from
@@ -12,7 +13,8 @@ the layer is then bit-identical between golden and implementation, and only the 
 differs by fp32 summation order. Rank 0 gathers actual and golden outputs and compares.
 With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
 slice); `recompute_golden` adds the computed golden as a second reference.
-Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return None.
+Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return the
+verdict rank 0 broadcast.
 Any exception carries a note naming the rank and stage, and the elastic error file keeps its
 traceback for the launcher's failure report.
 """
@@ -41,13 +43,14 @@ from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
 from layers.distributed import wire
 
-from launcher.verify import bisect, where
-from launcher.verify.base import initial_key
-from launcher.verify.build import build_comparator
+from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
 from launcher.run import devices, faults, forkserver
 from launcher.store import golden_cache, snapshot
+from launcher.verify import bisect, where
+from launcher.verify.base import initial_key
+from launcher.verify.build import build_comparator
 
 log = logging.getLogger("launcher.run.worker")
 
@@ -66,7 +69,7 @@ class RankStageTimer:
     start and end as progress events, fires a configured fault at its start, and tags a failure
     with the rank and stage it happened in."""
 
-    def __init__(self, rank: int, output_dir: str, fault: faults.Fault | None = None):
+    def __init__(self, rank: int, output_dir: str, fault: Fault | None = None):
         self.rank = rank
         self.fault = fault
         self.seconds: dict[str, float] = {}
