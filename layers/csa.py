@@ -1,53 +1,38 @@
-"""The CSA decode layer (compress ratio 4): tensors, checks, TP1 golden and TP forward (spec csa.md).
+"""The CSA decode layer (compress ratio 4) as its stage list (spec csa.md §3, §7.2).
 
-Owns the layer's tensor inventory (§2), its comparators (§8.5), its validity rules (§1.5),
-the order of one step (§3: hc_pre → RMSNorm → Q/KV + RoPE → main compressor → indexer with
-its inner compressor and top-k → raw KV write → sparse attention over window ∪ selected
-compressed rows → grouped O projection → hc_post), the three RoPE row sets (§4.2), the KV
-write (§4.8) and the CSA key list of the sparse attention (§4.9).
-
-Stages live in their modules: the ratio-4 compressor (`layers.csa_compressor`), the indexer
-(`layers.indexer`), the fixture (`layers.csa_fixture`), and the shared hc / qkv / attention /
-output-half / collective modules. `attention_half` composes one rank's steps from a `Steps`
-table: the forward builds it from the module attributes at call time (tests inject defects
-by monkeypatching e.g. `csa_compressor.write_state`, `csa_compressor.commit_cmp_rows`,
-`indexer.select_topk`), the golden uses the table taken at import, so an injected defect can
-never reach the expected values. Both run the same functions, hence tp = 1 is bitwise the
-golden.
+One rank's step is the spec's top-level order (§3): hc_pre, the three RoPE row sets (§4.2),
+RMSNorm, Q/KV projection with RoPE, the main ratio-4 compressor and its cmp_kv commit (§4.5),
+the indexer (§4.6: its query and head weights, then the inner compressor's idx cache commit
+(§4.7) for every request, then scores and top-k), the raw KV write (§4.8), sparse attention over
+window ∪ selected compressed rows (§4.9), then the packing, the TP output half and hc_post
+(`layers.output_half`). The golden runs the same list on a single device with the full O
+weights; the fixture is `layers.fixtures.csa`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 import torch
 
-from .components import attention, csa_compressor, hc, indexer, metadata, qkv
-from .components import o_proj as output_half
+from . import front, output_half
+from .attention_layer import AttentionLayer, check_distinct_writes
+from .components import attention, csa_compressor, indexer, metadata
+from .components.kv_cache import write_rows
 from .contract.case import Case
-from .contract.checks import PoolCheck, RelDiffCheck
+from .contract.checks import AllcloseCheck, Check, PoolCheck, RelDiffCheck
 from .contract.config import ConfigError, ModelConfig
 from .contract.context import RankContext
+from .contract.stage import Stage, Values
 from .contract.tensors import Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
-from .distributed import collectives as tp
 from .fixtures import csa as csa_fixture
-from .fixtures.o_weights import LayerDrawingOWeights
+from .staged import bf16_close, exact, fp32_close, judged, pool_written
 
 COMPRESS_RATIO = csa_compressor.COMPRESS_RATIO
 # gen_shared_weight (indexer wq_b fixture) works on 128×128 blocks.
 SHARED_WEIGHT_BLOCK = csa_fixture.MXFP8_BLOCK
 MIN_CAPACITY = 16  # LOCAL_T >= 16 (§1.5, the reference fixture's check)
 
-INOUT_POOLS = ("compress_state", "inner_compress_state", "kv_cache", "cmp_kv", "idx_kv_cache", "idx_kv_scale")
-
 
 # -- the CSA-specific steps ---------------------------------------------------------------------
-def write_kv_cache(kv_cache: torch.Tensor, ori_slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
-    """`kv_cache[slot] = kv[t]` for every token with slot >= 0 (§4.8; rows distinct per rank, validated)."""
-    keep = ori_slot_mapping >= 0
-    kv_cache.view(-1, kv_cache.shape[-1])[ori_slot_mapping[keep]] = kv[keep]
-
-
 def compressed_key_rows(
     idx_topk: torch.Tensor, cmp_block_table: torch.Tensor, position_ids: torch.Tensor, seq: int, block_size: int
 ) -> torch.Tensor:
@@ -91,69 +76,21 @@ def csa_attention(
     return attention.sparse_attention(q, kv, valid, attn_sink, model.softmax_scale)
 
 
-class RopeRows(NamedTuple):
-    """The three RoPE row sets of §4.2, gathered from the one compressed-profile table."""
-
-    token_cos: torch.Tensor  # [T, R] at each token's position: q / kv RoPE, inverse RoPE
-    token_sin: torch.Tensor
-    step_cos: torch.Tensor  # [B, R] at the request's first position: indexer q, inner compressor
-    step_sin: torch.Tensor
-    cmp_cos: torch.Tensor  # [B, R] at 4·floor(first/4): main compressor
-    cmp_sin: torch.Tensor
-
-
-def rope_rows(freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, position_ids: torch.Tensor, seq: int) -> RopeRows:
+def rope_rows(freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, position_ids: torch.Tensor, seq: int) -> dict[str, torch.Tensor]:
+    """The three RoPE row sets of §4.2, gathered from the one compressed-profile table:
+    `token_*` [T, R] at each token's position (q / kv RoPE, inverse RoPE), `step_*` [B, R] at
+    the request's first position (indexer q, inner compressor), `cmp_*` [B, R] at
+    4·floor(first/4) (main compressor)."""
     pos = position_ids.to(torch.int64)
     first = pos[::seq]
     cmp_pos = first - first % COMPRESS_RATIO
-    return RopeRows(
-        freqs_cos[pos], freqs_sin[pos], freqs_cos[first], freqs_sin[first], freqs_cos[cmp_pos], freqs_sin[cmp_pos]
-    )
-
-
-# -- composition -----------------------------------------------------------------------------
-class Steps(NamedTuple):
-    hc_pre: Callable
-    rms_norm: Callable
-    qkv_proj_rope: Callable
-    compressor_project: Callable
-    window_rows: Callable
-    write_state: Callable
-    write_and_gather: Callable
-    pool: Callable
-    normalize_rotate: Callable
-    commit_slots: Callable
-    commit_cmp_rows: Callable
-    indexer_query: Callable
-    head_weights: Callable
-    commit_idx_rows: Callable
-    visible_slots: Callable
-    index_scores: Callable
-    select_topk: Callable
-    write_kv_cache: Callable
-    csa_attention: Callable
-    pack_heads: Callable
-    grouped_o_proj: Callable
-    hc_post: Callable
-
-
-def live_steps() -> Steps:
-    """The stages as the modules hold them now (what the forward runs)."""
-    c, i = csa_compressor, indexer
-    return Steps(
-        hc.hc_pre, qkv.rms_norm, qkv.qkv_proj_rope, c.project, c.window_rows, c.write_state, c.write_and_gather,
-        c.pool, c.normalize_rotate, c.commit_slots, c.commit_cmp_rows, i.query, i.head_weights, i.commit_idx_rows,
-        i.visible_slots, i.scores, i.select_topk, write_kv_cache, csa_attention, attention.pack_heads,
-        output_half.grouped_o_proj, hc.hc_post,
-    )  # fmt: skip
-
-
-# The golden's own references, taken at import (see the module docstring).
-_GOLDEN_STEPS = live_steps()
+    return {
+        "token_cos": freqs_cos[pos], "token_sin": freqs_sin[pos], "step_cos": freqs_cos[first],
+        "step_sin": freqs_sin[first], "cmp_cos": freqs_cos[cmp_pos], "cmp_sin": freqs_sin[cmp_pos],
+    }  # fmt: skip
 
 
 def compressor_rows(
-    steps: Steps,
     model: ModelConfig,
     x_normed: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -171,94 +108,151 @@ def compressor_rows(
     """
     wkv, wgate, ape, norm_w = weights
     first = position_ids.to(torch.int64)[:: model.decode_seq]
-    kv, score = steps.compressor_project(x_normed, wkv, wgate, ape, position_ids)
-    windows = steps.window_rows(state_block_table, first, state.shape[1])
-    state_rows = state.view(-1, state.shape[-1])
-    gathered = steps.write_and_gather(state_rows, state_slot_mapping, kv, score, windows, steps.write_state)
-    pooled = steps.pool(gathered, windows, wkv.shape[0] // 2)
-    return steps.normalize_rotate(pooled, norm_w, cos, sin, model.rms_norm_eps)
+    kv, score = csa_compressor.project(x_normed, wkv, wgate, ape, position_ids)
+    windows = csa_compressor.window_rows(state_block_table, first, state.shape[1])
+    gathered = csa_compressor.write_and_gather(state.view(-1, state.shape[-1]), state_slot_mapping, kv, score, windows)
+    pooled = csa_compressor.pool(gathered, windows, wkv.shape[0] // 2)
+    return csa_compressor.normalize_rotate(pooled, norm_w, cos, sin, model.rms_norm_eps)
 
 
-def attention_half(steps: Steps, model: ModelConfig, x: dict[str, torch.Tensor]):
-    """One rank's CSA step up to the packed heads (§3 steps 1–8), pools updated in place.
+def _first(ctx: RankContext, v: Values) -> torch.Tensor:
+    return v["position_ids"].to(torch.int64)[:: ctx.model.decode_seq]
 
-    Returns `(attention_grouped bf16 [G, T, GI], post, comb)`.
-    """
-    seq, k = model.decode_seq, model.index_topk
-    positions = x["position_ids"]
-    first = positions.to(torch.int64)[::seq]
-    x_mixed, post, comb = steps.hc_pre(x["x_hc"], x["hc_attn_fn"], x["hc_attn_scale"], x["hc_attn_base"], model)
-    rows = rope_rows(x["freqs_cos"], x["freqs_sin"], positions, seq)
-    x_normed = steps.rms_norm(x_mixed, x["attn_norm_w"], model.rms_norm_eps)
-    q, kv, qr, qr_scale = steps.qkv_proj_rope(
-        x_normed, x["wq_a"], x["wq_b"], x["wq_b_scale"], x["wkv"], rows.token_cos, rows.token_sin,
-        x["gamma_cq"], x["gamma_ckv"], model,
-    )  # fmt: skip
 
-    # Main compressor (§4.5): commits cmp_kv rows that this step's attention reads.
+def _rope_rows(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    return rope_rows(v["freqs_cos"], v["freqs_sin"], v["position_ids"], ctx.model.decode_seq)
+
+
+def _compressor(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """The main compressor and its cmp_kv commit (§4.5); both pools in place."""
+    m = ctx.model
     main = compressor_rows(
-        steps, model, x_normed, (x["cmp_wkv"], x["cmp_wgate"], x["cmp_ape"], x["cmp_norm_w"]),
-        x["compress_state"], x["compress_state_block_table"], x["state_slot_mapping"], positions,
-        rows.cmp_cos, rows.cmp_sin,
+        m, v["x_normed"], (v["cmp_wkv"], v["cmp_wgate"], v["cmp_ape"], v["cmp_norm_w"]), v["compress_state"],
+        v["compress_state_block_table"], v["state_slot_mapping"], v["position_ids"], v["cmp_cos"], v["cmp_sin"],
     )  # fmt: skip
-    steps.commit_cmp_rows(x["cmp_kv"], steps.commit_slots(first, x["cmp_slot_mapping"], seq), main)
+    slots = csa_compressor.commit_slots(_first(ctx, v), v["cmp_slot_mapping"], m.decode_seq)
+    csa_compressor.commit_cmp_rows(v["cmp_kv"], slots, main)
+    return {"compress_state": v["compress_state"], "cmp_kv": v["cmp_kv"]}
 
-    # Indexer (§4.6): the inner compressor commits for all requests before any scoring.
-    q_idx, q_idx_scale = steps.indexer_query(
-        model, qr, qr_scale, x["idx_wq_b"], x["idx_wq_b_scale"],
-        rows.step_cos.repeat_interleave(seq, dim=0), rows.step_sin.repeat_interleave(seq, dim=0), x["hadamard_idx"],
+
+def _indexer_query(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """The indexer's int8 queries at the request's step row and its head weights (§4.6 steps 1–5)."""
+    m, seq = ctx.model, ctx.model.decode_seq
+    q_idx, q_idx_scale = indexer.query(
+        m, v["qr"], v["qr_scale"], v["idx_wq_b"], v["idx_wq_b_scale"], v["step_cos"].repeat_interleave(seq, dim=0),
+        v["step_sin"].repeat_interleave(seq, dim=0), v["hadamard_idx"],
     )  # fmt: skip
-    weights = steps.head_weights(model, x_normed, x["weights_proj"])
+    return {"q_idx": q_idx, "q_idx_scale": q_idx_scale,
+            "idx_weights": indexer.head_weights(m, v["x_normed"], v["weights_proj"])}
+
+
+def _indexer_compressor(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """The inner compressor and its idx cache commit, for every request (§4.6 step 6, §4.7)."""
+    m = ctx.model
     inner = compressor_rows(
-        steps, model, x_normed, (x["inner_wkv"], x["inner_wgate"], x["inner_ape"], x["inner_norm_w"]),
-        x["inner_compress_state"], x["inner_compress_state_block_table"], x["inner_state_slot_mapping"], positions,
-        rows.step_cos, rows.step_sin,
+        m, v["x_normed"], (v["inner_wkv"], v["inner_wgate"], v["inner_ape"], v["inner_norm_w"]),
+        v["inner_compress_state"], v["inner_compress_state_block_table"], v["inner_state_slot_mapping"],
+        v["position_ids"], v["step_cos"], v["step_sin"],
     )  # fmt: skip
-    idx_slots = steps.commit_slots(first, x["idx_slot_mapping"], seq)
-    steps.commit_idx_rows(x["idx_kv_cache"], x["idx_kv_scale"], idx_slots, inner, x["hadamard_idx"])
-    visible = steps.visible_slots(model, positions, x["kv_seq_lens"])
-    score = steps.index_scores(
-        model, q_idx, q_idx_scale, weights, x["idx_kv_cache"], x["idx_kv_scale"], x["idx_block_table"],
+    slots = csa_compressor.commit_slots(_first(ctx, v), v["idx_slot_mapping"], m.decode_seq)
+    indexer.commit_idx_rows(v["idx_kv_cache"], v["idx_kv_scale"], slots, inner, v["hadamard_idx"])
+    return {n: v[n] for n in ("inner_compress_state", "idx_kv_cache", "idx_kv_scale")}
+
+
+def _indexer_topk(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """Scores over the committed idx cache and the top-k selection (§4.6 steps 7–8)."""
+    m = ctx.model
+    visible = indexer.visible_slots(m, v["position_ids"], v["kv_seq_lens"])
+    score = indexer.scores(
+        m, v["q_idx"], v["q_idx_scale"], v["idx_weights"], v["idx_kv_cache"], v["idx_kv_scale"], v["idx_block_table"],
         int(visible.max()),
     )  # fmt: skip
-    idx_topk = steps.select_topk(score, visible, k)  # [T, K] request-local slots
+    return {"index_score": score, "idx_topk": indexer.select_topk(score, visible, m.index_topk)}
 
-    steps.write_kv_cache(x["kv_cache"], x["ori_slot_mapping"], kv)
-    o = steps.csa_attention(
-        model, q, x["kv_cache"], x["window_swa_indices"], x["cmp_kv"], x["cmp_block_table"], idx_topk, positions,
-        x["attn_sink"],
+
+def _cache_insert(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    write_rows(v["kv_cache"], v["ori_slot_mapping"], v["kv"])
+    return {"kv_cache": v["kv_cache"]}
+
+
+def _attention(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    o = csa_attention(
+        ctx.model, v["q"], v["kv_cache"], v["window_swa_indices"], v["cmp_kv"], v["cmp_block_table"], v["idx_topk"],
+        v["position_ids"], v["attn_sink"],
     )  # fmt: skip
-    return steps.pack_heads(o, rows.token_cos, rows.token_sin, model), post, comb
+    return {"o": o}
 
 
-def _outputs(x: dict[str, torch.Tensor], x_out: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {**{n: x[n] for n in INOUT_POOLS}, "x_out": x_out}
+ROPE_ROWS = ("token_cos", "token_sin", "step_cos", "step_sin", "cmp_cos", "cmp_sin")
+COMPRESSOR_READS = (
+    "x_normed", "cmp_wkv", "cmp_wgate", "cmp_ape", "cmp_norm_w", "compress_state", "compress_state_block_table",
+    "state_slot_mapping", "position_ids", "cmp_cos", "cmp_sin", "cmp_kv", "cmp_slot_mapping",
+)  # fmt: skip
+INDEXER_QUERY_READS = (
+    "qr", "qr_scale", "idx_wq_b", "idx_wq_b_scale", "step_cos", "step_sin", "hadamard_idx", "x_normed", "weights_proj",
+)  # fmt: skip
+INDEXER_COMPRESSOR_READS = (
+    "x_normed", "inner_wkv", "inner_wgate", "inner_ape", "inner_norm_w", "inner_compress_state",
+    "inner_compress_state_block_table", "inner_state_slot_mapping", "position_ids", "step_cos", "step_sin",
+    "idx_kv_cache", "idx_kv_scale", "idx_slot_mapping", "hadamard_idx",
+)  # fmt: skip
+INDEXER_TOPK_READS = (
+    "q_idx", "q_idx_scale", "idx_weights", "idx_kv_cache", "idx_kv_scale", "idx_block_table", "position_ids",
+    "kv_seq_lens",
+)  # fmt: skip
+ATTENTION_READS = (
+    "q", "kv_cache", "window_swa_indices", "cmp_kv", "cmp_block_table", "idx_topk", "position_ids", "attn_sink",
+)  # fmt: skip
 
 
-def golden_decode_csa_tp1(model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The TP1 CSA layer (§3) on one rank's tensors with the full O weights.
-
-    Mutates the six pools in place; returns them and x_out [T, HC, D] fp32.
-    """
-    s = _GOLDEN_STEPS
-    attention_grouped, post, comb = attention_half(s, model, tensors)
-    attn_out = s.grouped_o_proj(attention_grouped, tensors["wo_a"], tensors["wo_b"], tensors["wo_b_scale"])
-    return _outputs(tensors, s.hc_post(attn_out, tensors["x_hc"], post, comb))
-
-
-def stacked_inputs(case: Case) -> dict[str, torch.Tensor]:
-    """The rank-stacked fixture `[tp, …]` (inputs and in-out initial values), built globally at once."""
-    stacked = csa_fixture.stacked_tensors(case)
-    stacked["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
-    return {n: stacked[n] for n, spec in LAYER.tensor_specs(case).items() if spec.kind is not Kind.OUTPUT}
-
-
-class CSALayer(LayerDrawingOWeights):
+class CSALayer(AttentionLayer):
     name = "csa"
     o_recipe = csa_fixture.O_RECIPE
 
+    def stages(self, model: ModelConfig) -> tuple[Stage, ...]:
+        c = {check.output: check for check in self._checks(model)}
+        return (
+            front.HC_PRE,
+            Stage("rope_rows", ("freqs_cos", "freqs_sin", "position_ids"), tuple(judged(exact(n)) for n in ROPE_ROWS),
+                  _rope_rows),
+            front.RMS_NORM,
+            front.qkv_proj_rope("token_cos", "token_sin", with_qr=True),
+            Stage("compressor", COMPRESSOR_READS, (pool_written(c["compress_state"]), pool_written(c["cmp_kv"])),
+                  _compressor),
+            Stage("indexer_query", INDEXER_QUERY_READS,
+                  (judged(AllcloseCheck("q_idx", atol=1, rtol=0)), judged(fp32_close("q_idx_scale")),
+                   judged(fp32_close("idx_weights"))), _indexer_query),
+            Stage("indexer_compressor", INDEXER_COMPRESSOR_READS,
+                  tuple(pool_written(c[n]) for n in ("inner_compress_state", "idx_kv_cache", "idx_kv_scale")),
+                  _indexer_compressor),
+            Stage("indexer_topk", INDEXER_TOPK_READS, (judged(fp32_close("index_score")), judged(exact("idx_topk"))),
+                  _indexer_topk),
+            Stage("cache_insert", ("kv_cache", "ori_slot_mapping", "kv"), (judged(exact("kv_cache"), c["kv_cache"]),),
+                  _cache_insert),
+            Stage("attention", ATTENTION_READS, (judged(bf16_close("o")),), _attention),
+            *output_half.stages(c["x_out"], "token_cos", "token_sin"),
+        )  # fmt: skip
+
+    def checks(self, case: Case) -> tuple[Check, ...]:
+        return self._checks(case.model)
+
+    @staticmethod
+    def _checks(model: ModelConfig) -> tuple[Check, ...]:
+        # csa.md §8.5 / validation.md §12.3, in validation order.
+        bs, sb = model.block_size, model.c4a_state_block_size
+        return (
+            PoolCheck("compress_state", "state_slot_mapping", sb, 1e-3, 1e-3, 0.005, "main compressor state"),
+            PoolCheck(
+                "inner_compress_state", "inner_state_slot_mapping", sb, 1e-3, 1e-3, 0.005, "inner compressor state"
+            ),
+            PoolCheck("kv_cache", "ori_slot_mapping", bs, 1e-4, 1 / 128, 0.005, "original KV cache"),
+            PoolCheck("cmp_kv", "cmp_slot_mapping", bs, 1e-4, 1 / 128, 0.005, "compressed KV cache"),
+            PoolCheck("idx_kv_cache", "idx_slot_mapping", bs, 1, 0, 0.01, "indexer KV cache"),
+            PoolCheck("idx_kv_scale", "idx_slot_mapping", bs, 1e-4, 1 / 128, 0.01, "indexer KV scale"),
+            RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1),
+        )
+
     def validate(self, case: Case) -> None:
-        case.validate()
         m = case.model
         if case.capacity < MIN_CAPACITY:
             raise ConfigError(
@@ -288,7 +282,7 @@ class CSALayer(LayerDrawingOWeights):
                 ("ori_slot_mapping", "kv_cache"), ("cmp_slot_mapping", "cmp_kv"), ("idx_slot_mapping", "idx_kv_cache"),
                 ("state_slot_mapping", "compress_state"), ("inner_state_slot_mapping", "inner_compress_state"),
             ):  # fmt: skip
-                _check_injective(rank, starts[own], mapping, pool, meta[mapping])
+                check_distinct_writes(rank, starts[own], mapping, pool, meta[mapping])
 
     def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
         m, t, b = case.model, case.local_t, case.batch
@@ -336,60 +330,18 @@ class CSALayer(LayerDrawingOWeights):
             **tail_tensor_specs(case),
         }
 
-    def rank_inputs_without_o(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
+    def inputs_without_o(self, case: Case, rank: int) -> dict[str, torch.Tensor]:
         return {**csa_fixture.rank_tensors(case, rank), "local_t": torch.tensor(case.local_t, dtype=torch.int32)}
-
-    def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return golden_decode_csa_tp1(model, tensors)
-
-    def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One rank of the TP CSA layer (§7.2); wo_a / wo_b are this rank's shards."""
-        x = tensors
-        attention_grouped, post, comb = attention_half(live_steps(), ctx.model, x)  # [G, t, GI]
-        attn_out = tp.tp_output_half(ctx, attention_grouped, x["wo_a"], x["wo_b"], x["wo_b_scale"])  # [t, D]
-        return _outputs(x, hc.hc_post(attn_out, x["x_hc"], post, comb))
-
-    def checks(self, case: Case) -> tuple[PoolCheck | RelDiffCheck, ...]:
-        # csa.md §8.5 / validation.md §12.3, in validation order.
-        bs, sb = case.model.block_size, case.model.c4a_state_block_size
-        return (
-            PoolCheck("compress_state", "state_slot_mapping", sb, 1e-3, 1e-3, 0.005, "main compressor state"),
-            PoolCheck(
-                "inner_compress_state", "inner_state_slot_mapping", sb, 1e-3, 1e-3, 0.005, "inner compressor state"
-            ),
-            PoolCheck("kv_cache", "ori_slot_mapping", bs, 1e-4, 1 / 128, 0.005, "original KV cache"),
-            PoolCheck("cmp_kv", "cmp_slot_mapping", bs, 1e-4, 1 / 128, 0.005, "compressed KV cache"),
-            PoolCheck("idx_kv_cache", "idx_slot_mapping", bs, 1, 0, 0.01, "indexer KV cache"),
-            PoolCheck("idx_kv_scale", "idx_slot_mapping", bs, 1e-4, 1 / 128, 0.01, "indexer KV scale"),
-            RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1),
-        )
-
-
-def _check_injective(rank: int, starts: list[int], mapping: str, pool: str, slots: torch.Tensor) -> None:
-    written = slots[slots >= 0]
-    rows, counts = torch.unique(written, return_counts=True)
-    if (counts > 1).any():
-        row = int(rows[counts > 1][0])
-        tokens = torch.nonzero(slots == row).reshape(-1).tolist()
-        raise ConfigError(
-            f"rank {rank}: start positions {starts} make {mapping} write {pool} row {row} from tokens {tokens}; "
-            f"the pool comparator needs distinct write rows per rank"
-        )
 
 
 LAYER = CSALayer()
 
-__all__ = [
-    "CSALayer",
-    "LAYER",
-    "Steps",
-    "live_steps",
-    "attention_half",
-    "compressor_rows",
-    "write_kv_cache",
-    "compressed_key_rows",
-    "csa_attention",
-    "rope_rows",
-    "golden_decode_csa_tp1",
-    "stacked_inputs",
-]
+
+def golden_decode_csa_tp1(model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`golden_decode_csa_tp1` (§3): the layer on one device, on one rank's tensors with the full
+    O weights; mutates the six pools in place; returns them and x_out [T, HC, D] fp32."""
+    return LAYER.golden(Case("csa", model, 1, tensors["x_hc"].shape[0], 0), tensors)
+
+
+__all__ = ["CSALayer", "LAYER", "compressed_key_rows", "csa_attention", "rope_rows",
+           "compressor_rows", "golden_decode_csa_tp1"]

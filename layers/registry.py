@@ -1,20 +1,49 @@
-"""Layer lookup by name; each layer module defines `LAYER` and is imported on first use."""
+"""Every layer and focused scope by name: what the launcher and the default implementation run."""
 
 from __future__ import annotations
 
-import importlib
+import functools
 
+from . import csa, hca, swa
+from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.layer import Layer
+from .scopes import CollectivesScope, OutputScope, TP1Scope
 
-_MODULES = {"swa": "layers.swa", "csa": "layers.csa", "hca": "layers.hca"}
+LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER)}
+SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, "tp1": TP1Scope}
 
 
 def layer_names() -> tuple[str, ...]:
-    return tuple(_MODULES)
+    return tuple(LAYERS)
+
+
+def scope_names() -> tuple[str, ...]:
+    return tuple(SCOPES)
 
 
 def get_layer(name: str) -> Layer:
-    if name not in _MODULES:
-        raise ConfigError(f"unknown layer {name!r}; choose one of {', '.join(_MODULES)}")
-    return importlib.import_module(_MODULES[name]).LAYER
+    if name not in LAYERS:
+        raise ConfigError(f"unknown layer {name!r}; choose one of {', '.join(LAYERS)}")
+    return LAYERS[name]
+
+
+@functools.cache
+def get_scope(layer_name: str, scope: str = "full") -> Layer:
+    """The `Layer` that runs `scope` of `layer_name` (one object per pair, so identity is stable)."""
+    if scope not in SCOPES:
+        raise ConfigError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
+    layer = get_layer(layer_name)
+    return layer if scope == "full" else SCOPES[scope](layer)
+
+
+def validated(case: Case) -> Layer:
+    """The layer (or scope) of `case` once the case passed every check: the TP-level rules all
+    layers share (`Case.validate`), then the layer's own. The one validation of a case."""
+    layer = get_scope(case.layer, case.scope)
+    case.validate()
+    layer.validate(case)
+    return layer
+
+
+__all__ = ["LAYERS", "SCOPES", "layer_names", "scope_names", "get_layer", "get_scope", "validated"]

@@ -2,10 +2,10 @@
 
 A scope is a `Layer` in everything the orchestrator uses (tensor specs, per-rank fixture,
 golden, the project's implementation, checks), so the worker runs it unchanged on real ranks
-through the same launcher; `get_scope(layer, scope)` hands it out. Kernel engineers use the
+through the same launcher; `layers.registry.get_scope(layer, scope)` hands it out. Kernel engineers use the
 focused scopes to find where a TP mismatch of the full layer comes from:
 
-  * `full`: the layer itself (`layers.registry`).
+  * `full`: the layer itself.
   * `output` (swa.md §9.4 and §9.1): window attention of closed-form queries over a cache that
     is NaN outside the window's pages → inverse RoPE + packing → head-group all-to-all →
     sharded grouped O projection → reduce-scatter, written into `o_local [LOCAL_T_PAD, D]`
@@ -59,25 +59,22 @@ Every scope also holds the scalar `local_t`.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import types
 from typing import ClassVar
 
 import torch
 
-from . import registry, swa
-from .components import attention
-from .components import o_proj as output_half
+from . import output_half, swa
+from .components import o_proj
 from .components.numerics import bf16
 from .contract.case import Case
 from .contract.checks import AllcloseCheck, Check, ExactCheck, PrefixTailCheck
 from .contract.config import ConfigError, ModelConfig, ceil_div
 from .contract.context import RankContext
 from .contract.layer import Layer
+from .contract.stage import Stage, Values
 from .contract.tensors import Kind, TensorSpec
-from .distributed import collectives as tp
-
-SCOPES = ("full", "output", "collectives", "tp1")
+from .distributed import collectives
+from .staged import RunStage, StagedLayer, bf16_close, default_run_stage, exact, fp32_close, judged
 
 SENTINEL = -7.0  # every output row no valid destination reaches (swa.md §9.2, §9.4)
 KV_POISON, ATTENTION_POISON, PARTIAL_POISON = -1000.0, -2000.0, -3000.0  # capacity rows of the inputs
@@ -85,28 +82,12 @@ KV_POISON, ATTENTION_POISON, PARTIAL_POISON = -1000.0, -2000.0, -3000.0  # capac
 PROJ_DIAGONAL = (0.5, -0.25, 0.125, -0.0625)
 
 
-def get_scope(layer_name: str, scope: str = "full") -> Layer:
-    """The `Layer` that runs `scope` of `layer_name` (one object per pair, so identity is stable)."""
-    if scope not in SCOPES:
-        raise ConfigError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
-    return _scope(layer_name, scope)
-
-
-@functools.cache
-def _scope(layer_name: str, scope: str) -> Layer:
-    layer = registry.get_layer(layer_name)
-    if scope == "full":
-        return layer
-    return {"output": OutputScope, "collectives": CollectivesScope, "tp1": TP1Scope}[scope](layer)
-
-
-class _Scope(Layer):
+class _Scope:
     """A focused scope of one layer: named as the layer, `scope` says which part it runs."""
 
     scope: ClassVar[str]
-    sharded_o_weights: ClassVar[bool]
 
-    def __init__(self, layer: Layer):
+    def __init__(self, layer: StagedLayer):
         self.layer = layer
         self.name = layer.name
 
@@ -185,14 +166,13 @@ def _projection_inputs(case: Case) -> dict[str, torch.Tensor]:
     }
 
 
-class OutputScope(_Scope):
+class OutputScope(_Scope, StagedLayer):
     """The TP output half after window attention (§9.4) and the sharded projection alone (§9.1)."""
 
     scope = "output"
     sharded_o_weights = True
 
     def validate(self, case: Case) -> None:
-        case.validate()
         m = case.model
         if m.o_lora_rank < m.heads_per_group:
             raise ConfigError(
@@ -259,31 +239,21 @@ class OutputScope(_Scope):
             torch.cat([_output_wo_b(case, r) for r in ranks], dim=1),
         )
 
-    def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """§9.4 with the full O weights (grouped projection, TP1) and §9.1 on rows [:group_t]."""
-        x, s = tensors, _GOLDEN
-        t = int(x["local_t"])
-        o = s.swa_attention(model, x["q"], x["kv_cache"], x["swa_indices"], x["swa_lens"], x["attn_sink"])
-        attention_grouped = s.pack_heads(o, x["freqs_cos"], x["freqs_sin"], model)  # [G, t, GI]
-        x["o_local"][:t] = s.grouped_o_proj(attention_grouped, x["wo_a"], x["wo_b"], x["wo_b_scale"])
-        group_t = model.o_groups // x["proj_wo_a"].shape[0] * t  # P·t, P = G / LG
-        x["o_partial"][:group_t] = s.sharded_o_proj(
-            x["proj_attention_local_groups"][:, :group_t], x["proj_wo_a"], x["proj_wo_b"], x["wo_b_scale"]
-        )
-        return {"o_partial": x["o_partial"], "o_local": x["o_local"]}
-
-    def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The project's output half (§6 steps 5–8) and its sharded projection on the §9.1 buffer."""
-        x, model = tensors, ctx.model
-        t = ctx.case.local_t
-        o = swa.swa_attention(model, x["q"], x["kv_cache"], x["swa_indices"], x["swa_lens"], x["attn_sink"])
-        attention_grouped = attention.pack_heads(o, x["freqs_cos"], x["freqs_sin"], model)  # [G, t, GI]
-        x["o_local"][:t] = tp.tp_output_half(ctx, attention_grouped, x["wo_a"], x["wo_b"], x["wo_b_scale"])
-        group_t = ctx.tp * t  # only the valid prefix of the receive buffer is read (P8)
-        x["o_partial"][:group_t] = output_half.sharded_o_proj(
-            x["proj_attention_local_groups"][:, :group_t], x["proj_wo_a"], x["proj_wo_b"], x["wo_b_scale"]
-        )
-        return {"o_partial": x["o_partial"], "o_local": x["o_local"]}
+    def stages(self, model: ModelConfig) -> tuple[Stage, ...]:
+        """§9.4's window attention and output half into o_local's valid rows, then §9.1's
+        sharded projection of the receive buffer's valid rows into o_partial. On a single
+        device (the golden) the projection covers every group with the full O weights."""
+        return (
+            Stage("attention", ("q", "kv_cache", "swa_indices", "swa_lens", "attn_sink"), (judged(bf16_close("o")),),
+                  _output_attention),
+            output_half.pack_heads(),
+            # One stage here: the half's intermediate `o_partial` would shadow this scope's
+            # §9.1 buffer of the same name.
+            Stage("output_half", ("attention_grouped", "wo_a", "wo_b", "wo_b_scale", "o_local", "local_t"),
+                  (judged(exact("o_local")),), _output_half),
+            Stage("projection", ("proj_attention_local_groups", "proj_wo_a", "proj_wo_b", "wo_b_scale", "o_partial",
+                                 "local_t"), (judged(fp32_close("o_partial")),), _projection),
+        )  # fmt: skip
 
     def checks(self, case: Case) -> tuple[Check, ...]:
         # validation.md §12.5: the projection's prefix with an exact zero tail, then the output
@@ -296,12 +266,25 @@ class OutputScope(_Scope):
         )
 
 
-# The output scope golden's own references, taken at import: a defect a test injects into a
-# module later never reaches the expected values.
-_GOLDEN = types.SimpleNamespace(
-    swa_attention=swa.swa_attention, pack_heads=attention.pack_heads,
-    grouped_o_proj=output_half.grouped_o_proj, sharded_o_proj=output_half.sharded_o_proj,
-)
+def _output_attention(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    return {"o": swa.swa_attention(ctx.model, v["q"], v["kv_cache"], v["swa_indices"], v["swa_lens"], v["attn_sink"])}
+
+
+def _output_half(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """a2a → sharded projection → reduce-scatter into o_local's valid rows (§9.4)."""
+    attn_out = collectives.tp_output_half(ctx, v["attention_grouped"], v["wo_a"], v["wo_b"], v["wo_b_scale"])
+    v["o_local"][: int(v["local_t"])] = attn_out
+    return {"o_local": v["o_local"]}
+
+
+def _projection(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """Only the valid prefix of the receive buffer is read (P8): group_t = P·t rows, with
+    P = G / LG (the golden's single device holds the same LG-group buffer)."""
+    group_t = ctx.model.o_groups // v["proj_wo_a"].shape[0] * int(v["local_t"])
+    v["o_partial"][:group_t] = o_proj.sharded_o_proj(
+        v["proj_attention_local_groups"][:, :group_t], v["proj_wo_a"], v["proj_wo_b"], v["wo_b_scale"]
+    )
+    return {"o_partial": v["o_partial"]}
 
 
 # -- collectives scope (swa.md §9.2) ----------------------------------------------------------
@@ -327,14 +310,14 @@ def _collective_sources(
     return {"kv_local": bf16(kv), "attention_grouped": bf16(a.reshape(g * pad, gi)), "o_partial": part}
 
 
-class CollectivesScope(_Scope):
+class CollectivesScope(_Scope, Layer):
     """The three data transitions of the TP layers, bitwise, on sentinel-filled outputs (§9.2)."""
 
     scope = "collectives"
     sharded_o_weights = False
 
     def validate(self, case: Case) -> None:
-        case.validate()
+        """Every case that passes `Case.validate` runs."""
 
     def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
         m = case.model
@@ -362,14 +345,14 @@ class CollectivesScope(_Scope):
     def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError("scope=collectives has no O weights (sharded_o_weights is False)")
 
-    def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def golden(self, case: Case, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`golden_decode_attention_collectives_fixture` for rank d, every other row left −7.0.
 
         Rank d's outputs hold every rank's rows, and a rank's golden sees only its own tensors:
         the other ranks' sources are rebuilt from the §9.2 recipe (pure functions of the sizes
         and the rank), after checking that this rank's inputs are that recipe's.
         """
-        x = tensors
+        x, model = tensors, case.model
         d, t = int(x["tp_rank"][0]), int(x["local_t"])
         capacity, width = x["kv_local"].shape
         g, gi = model.o_groups, model.group_in
@@ -399,10 +382,10 @@ class CollectivesScope(_Scope):
         x, m = tensors, ctx.model
         p, t, pad = ctx.tp, ctx.case.local_t, ctx.case.local_t_pad
         g, gi, lg = m.o_groups, m.group_in, ctx.case.local_o_groups
-        x["kv_group"][: p * t] = tp.kv_all_gather(ctx, x["kv_local"][:t])
+        x["kv_group"][: p * t] = collectives.kv_all_gather(ctx, x["kv_local"][:t])
         attention_grouped = x["attention_grouped"].view(g, pad, gi)[:, :t]  # [G, t, GI]
-        x["attention_local_groups"].view(lg, p * pad, gi)[:, : p * t] = tp.group_all_to_all(ctx, attention_grouped)
-        x["o_local"][:t] = tp.reduce_scatter(ctx, x["o_partial"][: p * t])
+        x["attention_local_groups"].view(lg, p * pad, gi)[:, : p * t] = collectives.group_all_to_all(ctx, attention_grouped)
+        x["o_local"][:t] = collectives.reduce_scatter(ctx, x["o_partial"][: p * t])
         return {n: x[n] for n in ("kv_group", "attention_local_groups", "o_local")}
 
     def checks(self, case: Case) -> tuple[Check, ...]:
@@ -414,7 +397,7 @@ class CollectivesScope(_Scope):
 
 
 # -- tp1 scope (swa.md §6) --------------------------------------------------------------------
-class TP1Scope(_Scope):
+class TP1Scope(_Scope, StagedLayer):
     """The single-device layer on each rank's shard: full O weights, no collectives."""
 
     scope = "tp1"
@@ -437,22 +420,20 @@ class TP1Scope(_Scope):
     def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layer.full_o_weights(case)
 
-    def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.layer.golden(model, tensors)
+    def stages(self, model: ModelConfig) -> tuple[Stage, ...]:
+        return self.layer.stages(model)
 
-    def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The layer's forward on a one-rank group: both collectives are identities (§5.6)."""
-        alone = RankContext(case=dataclasses.replace(ctx.case, tp=1), rank=0, device=ctx.device, group=None)
-        return self.layer.forward(alone, tensors)
+    def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor],
+                run_stage: RunStage = default_run_stage) -> dict[str, torch.Tensor]:
+        """The layer's stages on this rank alone: both collectives are identities (§5.6)."""
+        return super().forward(ctx.single_device(), tensors, run_stage)
 
     def checks(self, case: Case) -> tuple[Check, ...]:
         return self.layer.checks(case)
 
 
 __all__ = [
-    "SCOPES",
     "SENTINEL",
-    "get_scope",
     "OutputScope",
     "CollectivesScope",
     "TP1Scope",

@@ -1,6 +1,14 @@
-"""The default implementation under test, `TorchTP`: the layer's own torch TP forward.
+"""The default implementation under test, `TorchTP`: the layer's own stages on the rank's TP group.
 
-Users name it as `impl` (the config default) or subclass it.
+Users name it as `impl` (the config default) or subclass it. A subclass replaces a stage by
+name in `run_stage`; everything else runs as the layer's golden does, and bisect judges the
+replaced stage (its outputs are recorded as the stage's):
+
+    class MyAllToAll(TorchTP):
+        def run_stage(self, stage, ctx, values):
+            if stage.name == "group_all_to_all":
+                return {"attention_local_groups": my_kernel(ctx, values["attention_grouped"])}
+            return super().run_stage(stage, ctx, values)
 """
 
 from __future__ import annotations
@@ -8,15 +16,23 @@ from __future__ import annotations
 import torch
 
 from .contract.context import RankContext
+from .contract.stage import Stage, Values
+from .registry import get_scope
+from .staged import StagedLayer
 
 
 class TorchTP:
     """The default implementation under test: the layer's own torch TP forward."""
 
-    def __call__(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from . import scopes  # here: layers.scopes imports the layers
+    def run_stage(self, stage: Stage, ctx: RankContext, values: Values) -> dict[str, torch.Tensor]:
+        """Run one stage of the layer (override to replace stages by `stage.name`)."""
+        return stage.run(ctx, values)
 
-        return scopes.get_scope(ctx.case.layer, ctx.case.scope).forward(ctx, tensors)
+    def __call__(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        scope = get_scope(ctx.case.layer, ctx.case.scope)
+        if isinstance(scope, StagedLayer):
+            return scope.forward(ctx, tensors, run_stage=self.run_stage)
+        return scope.forward(ctx, tensors)
 
 
 __all__ = ["TorchTP"]

@@ -238,7 +238,7 @@ def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) ->
         tensors["wo_a"], tensors["wo_b"] = wo_a, wo_b
         before = _reset_peak_rss()
         t = time.perf_counter()
-        lay.golden(case.model, tensors)
+        lay.golden(case, tensors)
         out["golden_s"].append(time.perf_counter() - t)
         out["golden_transient_bytes"].append(_status_bytes("VmHWM") - before)
         del tensors
@@ -403,7 +403,7 @@ def bench_loops(layers: list[str], local_t: int = 32) -> dict:
             lay.validate(case)
             stages = {"fixture": _calls(lambda: lay.rank_inputs(case, 0))}
             inputs = lay.rank_inputs(case, 0)
-            stages["golden"] = _calls(lambda: lay.golden(model, {n: t.clone() for n, t in inputs.items()}))
+            stages["golden"] = _calls(lambda: lay.golden(case, {n: t.clone() for n, t in inputs.items()}))
             ctx = RankContext(case=case, rank=0, device=torch.device("cpu"), group=None)
             stages["forward"] = _calls(lambda: lay.forward(ctx, {n: t.clone() for n, t in inputs.items()}))
             return stages

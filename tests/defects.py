@@ -1,65 +1,59 @@
 """Implementations under test with one deliberate defect each (for negative end-to-end tests).
 
-Each is the default TP implementation with one stage replaced, inside its own call only, so
-the golden (computed outside the call) stays the reference. The workers import this module by
-name, as they would a user's implementation.
+Each is the default TP implementation with one stage replaced by name (`TorchTP.run_stage`),
+so the golden (the layer's own stages) stays the reference and bisect judges the replaced
+stage. The workers import this module by name, as they would a user's implementation.
 """
 
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
 
-from layers import tp
+from layers import hca
+from layers.components import hca_compressor
 from layers.components.numerics import bf16
+from layers.tp import TorchTP
 
 
-class _Patched(tp.TorchTP):
-    target: str  # the module attribute this defect replaces
+def _shift(slots: torch.Tensor) -> torch.Tensor:
+    return torch.where(slots >= 0, slots + 1, slots)
 
-    def replacement(self, ctx, original):
+
+class StageDefect(TorchTP):
+    """The default implementation with the stages named in `stages` replaced by `defective`."""
+
+    stages: tuple[str, ...]
+
+    def defective(self, stage, ctx, values) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def __call__(self, ctx, tensors):
-        original = _resolve(self.target)
-        with mock.patch(self.target, self.replacement(ctx, original)):
-            return super().__call__(ctx, tensors)
+    def run_stage(self, stage, ctx, values):
+        if stage.name in self.stages:
+            return self.defective(stage, ctx, values)
+        return super().run_stage(stage, ctx, values)
 
 
-def _resolve(path: str):
-    module, _, name = path.rpartition(".")
-    return getattr(__import__(module, fromlist=[name]), name)
-
-
-class ReduceScatterWithoutSum(_Patched):
+class ReduceScatterWithoutSum(StageDefect):
     """Each owner keeps only its own partial: the other ranks' groups are never added."""
 
-    target = "layers.distributed.collectives.reduce_scatter"
+    stages = ("reduce_scatter",)
 
-    def replacement(self, ctx, original):
-        def reduce_scatter(ctx, o_partial):
-            t = o_partial.shape[0] // ctx.tp
-            return bf16(o_partial[ctx.rank * t : (ctx.rank + 1) * t])
-
-        return reduce_scatter
+    def defective(self, stage, ctx, v):
+        t = v["o_partial"].shape[0] // ctx.tp
+        return {"attn_out": bf16(v["o_partial"][ctx.rank * t : (ctx.rank + 1) * t])}
 
 
-class GroupsToWrongRank(_Patched):
+class GroupsToWrongRank(StageDefect):
     """The head-group all-to-all delivers every rank's groups to the next rank."""
 
-    target = "layers.distributed.collectives.group_all_to_all"
+    stages = ("group_all_to_all",)
 
-    def replacement(self, ctx, original):
-        def group_all_to_all(ctx, attention_grouped):
-            g = attention_grouped.shape[0]
-            lg = g // ctx.tp
-            return original(ctx, torch.roll(attention_grouped, shifts=lg, dims=0))
-
-        return group_all_to_all
+    def defective(self, stage, ctx, v):
+        lg = v["attention_grouped"].shape[0] // ctx.tp
+        return stage.run(ctx, {"attention_grouped": torch.roll(v["attention_grouped"], shifts=lg, dims=0)})
 
 
-class PerturbRankTokens(tp.TorchTP):
+class PerturbRankTokens(TorchTP):
     """Rank 1 returns a slightly wrong x_out for its first request's tokens."""
 
     def __call__(self, ctx, tensors):
@@ -70,95 +64,101 @@ class PerturbRankTokens(tp.TorchTP):
         return out
 
 
-class SkipCacheWrite(_Patched):
-    """The SWA kv insert never happens."""
+class SkipCacheWrite(StageDefect):
+    """The kv cache insert never happens."""
 
-    target = "layers.swa.write_cache_rows"
+    stages = ("cache_insert",)
 
-    def replacement(self, ctx, original):
-        return lambda kv_cache, slot_mapping, kv: None
-
-
-class CacheWriteWrongSlot(_Patched):
-    """The SWA kv insert lands one row after the slot mapping's."""
-
-    target = "layers.swa.write_cache_rows"
-
-    def replacement(self, ctx, original):
-        def write_cache_rows(kv_cache, slot_mapping, kv):
-            shifted = torch.where(slot_mapping >= 0, slot_mapping + 1, slot_mapping)
-            original(kv_cache, shifted, kv)
-
-        return write_cache_rows
+    def defective(self, stage, ctx, v):
+        return {"kv_cache": v["kv_cache"]}
 
 
-def _shift(slots: torch.Tensor) -> torch.Tensor:
-    return torch.where(slots >= 0, slots + 1, slots)
+class CacheWriteWrongSlot(StageDefect):
+    """The kv cache insert lands one row after the slot mapping's."""
+
+    stages = ("cache_insert",)
+
+    def defective(self, stage, ctx, v):
+        mapping = next(n for n in stage.reads if n.endswith("slot_mapping"))
+        return stage.run(ctx, {**v, mapping: _shift(v[mapping])})
 
 
-class CsaMissedCommit(_Patched):
+class CsaMissedCommit(StageDefect):
     """The CSA main compressor never commits its compressed rows into cmp_kv."""
 
-    target = "layers.components.csa_compressor.commit_cmp_rows"
+    stages = ("compressor",)
 
-    def replacement(self, ctx, original):
-        return lambda cmp_kv, slots, rows: None
+    def defective(self, stage, ctx, v):
+        before = v["cmp_kv"].clone()
+        out = stage.run(ctx, v)
+        out["cmp_kv"].copy_(before)
+        return out
 
 
-class CsaStateWrongSlot(_Patched):
+class CsaStateWrongSlot(StageDefect):
     """The CSA compressors write their state one row after the state slot mapping's."""
 
-    target = "layers.components.csa_compressor.write_state"
+    stages = ("compressor", "indexer_compressor")
 
-    def replacement(self, ctx, original):
-        return lambda state_rows, slots, kv, score: original(state_rows, _shift(slots), kv, score)
-
-
-class CsaSentinelOverwritten(_Patched):
-    """Besides its own rows, the CSA state write zeroes the pool's last row (a never-used,
-    -inf sentinel row)."""
-
-    target = "layers.components.csa_compressor.write_state"
-
-    def replacement(self, ctx, original):
-        def write_state(state_rows, slots, kv, score):
-            original(state_rows, slots, kv, score)
-            state_rows[-1] = 0.0
-
-        return write_state
+    def defective(self, stage, ctx, v):
+        mapping = "state_slot_mapping" if stage.name == "compressor" else "inner_state_slot_mapping"
+        return stage.run(ctx, {**v, mapping: _shift(v[mapping])})
 
 
-class CsaTopkOffByOne(_Patched):
+class CsaSentinelOverwritten(StageDefect):
+    """Besides their own rows, the CSA compressors zero their state pool's last row (a
+    never-used, -inf sentinel row)."""
+
+    stages = ("compressor", "indexer_compressor")
+
+    def defective(self, stage, ctx, v):
+        out = stage.run(ctx, v)
+        state = "compress_state" if stage.name == "compressor" else "inner_compress_state"
+        out[state].view(-1, out[state].shape[-1])[-1] = 0.0
+        return out
+
+
+class CsaTopkOffByOne(StageDefect):
     """The indexer's top-k returns every selected slot shifted by one."""
 
-    target = "layers.components.indexer.select_topk"
+    stages = ("indexer_topk",)
 
-    def replacement(self, ctx, original):
-        return lambda score, visible, k: _shift(original(score, visible, k))
+    def defective(self, stage, ctx, v):
+        out = stage.run(ctx, v)
+        return {**out, "idx_topk": _shift(out["idx_topk"])}
 
 
-class HcaMissedCommit(_Patched):
+class HcaMissedCommit(StageDefect):
     """The HCA compressor never commits its compressed rows into cmp_kv."""
 
-    target = "layers.components.hca_compressor.commit"
+    stages = ("compressor",)
 
-    def replacement(self, ctx, original):
-        return lambda cmp_kv, cmp_slots, y: None
+    def defective(self, stage, ctx, v):
+        before = v["cmp_kv"].clone()
+        out = stage.run(ctx, v)
+        out["cmp_kv"].copy_(before)
+        return out
 
 
-class HcaPoolsWrongRows(_Patched):
+class HcaPoolsWrongRows(StageDefect):
     """The HCA compressor pools the state rows one position late."""
 
-    target = "layers.components.hca_compressor.window_state_rows"
+    stages = ("compressor",)
 
-    def replacement(self, ctx, original):
-        return lambda table, request, pool_pos, block_size: original(table, request, pool_pos + 1, block_size)
+    def defective(self, stage, ctx, v):
+        def late(table, request, pool_pos, block_size):
+            return hca_compressor.window_state_rows(table, request, pool_pos + 1, block_size)
+
+        return hca.compressor(ctx, v, window_rows=late)
 
 
-class HcaWrongRopePosition(_Patched):
+class HcaWrongRopePosition(StageDefect):
     """The HCA compressed rows are rotated with the previous row's angles."""
 
-    target = "layers.components.hca_compressor.rope_compressed"
+    stages = ("compressor",)
 
-    def replacement(self, ctx, original):
-        return lambda y, cos, sin, model: original(y, torch.roll(cos, 1, 0), torch.roll(sin, 1, 0), model)
+    def defective(self, stage, ctx, v):
+        def rotate(y, cos, sin, model):
+            return hca_compressor.rope_compressed(y, torch.roll(cos, 1, 0), torch.roll(sin, 1, 0), model)
+
+        return hca.compressor(ctx, v, rotate=rotate)

@@ -1,10 +1,10 @@
 """Bisect (launcher.verify.bisect, layers.stages) on real gloo ranks: each stage's defect is found there.
 
-A defect is the default implementation with one stage monkeypatched inside its own call (the
-pattern of tests/defects.py), on one rank where the stage is rank-local, so the report must
-name both the stage and the rank. Implementations that do not dispatch to the layer's forward
-take part through the intermediates they return. The staged forward must be the layer's
-forward bit for bit, and the golden chain the layer's golden at tp = 1.
+A defect is the default implementation with one stage replaced by name (the pattern of
+tests/defects.py), on one rank where the stage is rank-local, so the report must name both
+the stage and the rank. Implementations that are not stage-based take part through the
+intermediates they return. The observed stages must be the layer's forward bit for bit, and
+the golden chain the layer's golden at tp = 1.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 
 from launcher.verify.bisect import OUTPUTS_STAGE, bisect_rank, every_rank, gather_bisect, golden_chain, render
-from layers import stages, swa, tp
-from layers.distributed import collectives
-from layers.components import attention
-from layers.components import hc
+from layers import hca, stages, swa, tp
+from layers.components import attention, hc, qkv
 from layers.components import o_proj as output_half
-from layers.components import qkv
-from layers.contract.context import RankContext
+from layers.components.hca_compressor import rope_compressed
+from layers.components.kv_cache import write_rows
+from layers.components.numerics import bf16
 from layers.contract.case import Case
 from layers.contract.config import TINY
-from layers.components.numerics import bf16
+from layers.contract.context import RankContext
+from layers.distributed import collectives
 from layers.registry import get_layer
 
 from . import defects
@@ -49,78 +49,68 @@ def _bisect(impl_cls, case: Case = CASE2) -> dict:
 
 
 # -- one defect per stage kind ----------------------------------------------------------------
-class _OnRank(defects._Patched):
-    """The stage misbehaves on `rank` only (the other ranks run the original)."""
+class _OnRank(defects.StageDefect):
+    """The stage misbehaves on `rank` only (the other ranks run the layer's own)."""
 
     rank = 1
 
-    def replacement(self, ctx, original):
-        broken = self.broken(original)
-        return broken if ctx.rank == self.rank else original
+    def defective(self, stage, ctx, v):
+        return self.broken(stage, ctx, v) if ctx.rank == self.rank else stage.run(ctx, v)
 
 
 class HcPreMixesWrong(_OnRank):
-    target = "layers.components.hc.hc_pre"
+    stages = ("hc_pre",)
 
-    def broken(self, original):
-        def hc_pre(x, fn, scale, base, model):
-            x_mixed, post, comb = original(x, fn, scale, base, model)
-            return bf16(x_mixed.float() * 1.05), post, comb
-
-        return hc_pre
+    def broken(self, stage, ctx, v):
+        out = stage.run(ctx, v)
+        return {**out, "x_mixed": bf16(out["x_mixed"].float() * 1.05)}
 
 
 class RmsNormEpsTooLarge(_OnRank):
-    target = "layers.components.qkv.rms_norm"
+    stages = ("rms_norm",)
 
-    def broken(self, original):
-        return lambda x, w, eps: original(x, w, 1.0)
+    def broken(self, stage, ctx, v):
+        return {"x_normed": qkv.rms_norm(v["x_mixed"], v["attn_norm_w"], 1.0)}
 
 
 class QkvRopeSinFlipped(_OnRank):
-    target = "layers.components.qkv.qkv_proj_rope"
+    stages = ("qkv_proj_rope",)
     rank = 0
 
-    def broken(self, original):
-        def qkv_proj_rope(x, wq_a, wq_b, wq_b_scale, wkv, cos, sin, *rest):
-            return original(x, wq_a, wq_b, wq_b_scale, wkv, cos, -sin, *rest)
-
-        return qkv_proj_rope
+    def broken(self, stage, ctx, v):
+        return stage.run(ctx, {**v, "freqs_sin": -v["freqs_sin"]})
 
 
 class WindowOneKeyShort(_OnRank):
-    target = "layers.swa.swa_attention"
+    stages = ("attention",)
 
-    def broken(self, original):
-        return lambda model, q, cache, idx, lens, sink: original(model, q, cache, idx, (lens - 1).clamp_min(1), sink)
+    def broken(self, stage, ctx, v):
+        return stage.run(ctx, {**v, "swa_lens": (v["swa_lens"] - 1).clamp_min(1)})
 
 
 class InverseRopeSignFlipped(_OnRank):
-    target = "layers.components.attention.pack_heads"
+    stages = ("pack_heads",)
 
-    def broken(self, original):
-        return lambda o, cos, sin, model: original(o, cos, -sin, model)
+    def broken(self, stage, ctx, v):
+        return stage.run(ctx, {**v, "freqs_sin": -v["freqs_sin"]})
 
 
 class ProjectionWithoutScale(_OnRank):
     """The per-rank partial never multiplied by wo_b_scale (P10)."""
 
-    target = "layers.components.o_proj.sharded_o_proj"
+    stages = ("sharded_o_proj",)
     rank = 0
 
-    def broken(self, original):
-        return lambda x, wo_a, wo_b, scale: original(x, wo_a, wo_b, torch.ones_like(scale))
+    def broken(self, stage, ctx, v):
+        return stage.run(ctx, {**v, "wo_b_scale": torch.ones_like(v["wo_b_scale"])})
 
 
 class CombTransposed(_OnRank):
-    target = "layers.components.hc.hc_post"
+    stages = ("hc_post",)
 
-    def broken(self, original):
-        def hc_post(x, residual, post, comb):
-            t, hc_n = post.shape
-            return original(x, residual, post, comb.reshape(t, hc_n, hc_n).transpose(1, 2).reshape(t, -1))
-
-        return hc_post
+    def broken(self, stage, ctx, v):
+        t, hc_n = v["post"].shape
+        return stage.run(ctx, {**v, "comb": v["comb"].reshape(t, hc_n, hc_n).transpose(1, 2).reshape(t, -1)})
 
 
 @pytest.mark.parametrize(
@@ -182,7 +172,7 @@ class OwnPipeline:
             x_normed, x["wq_a"], x["wq_b"], x["wq_b_scale"], x["wkv"], x["freqs_cos"], x["freqs_sin"],
             x["gamma_cq"], x["gamma_ckv"], m,
         )  # fmt: skip
-        swa.write_cache_rows(x["kv_cache"], x["swa_slot_mapping"], kv)
+        write_rows(x["kv_cache"], x["swa_slot_mapping"], kv)
         o = swa.swa_attention(m, q, x["kv_cache"], x["swa_indices"], x["swa_lens"], x["attn_sink"])
         attention_grouped = attention.pack_heads(o, x["freqs_cos"], x["freqs_sin"], m)
         attention_local_groups = collectives.group_all_to_all(ctx, attention_grouped)
@@ -230,15 +220,19 @@ def test_stage_tensors_name_the_interface():
 
 # -- the instrument itself --------------------------------------------------------------------
 @pytest.mark.parametrize("layer_name", ["swa", "csa", "hca"])
-def test_staged_forward_is_the_layer_forward_bitwise(layer_name):
+def test_observed_stages_are_the_layer_forward_bitwise(layer_name):
     case = Case(layer_name, TINY, 1, 64, 9)
     layer = get_layer(layer_name)
     ctx = RankContext(case=case, rank=0, device=torch.device("cpu"))
     inputs = layer.rank_inputs(case, 0)
     want = layer.forward(ctx, {n: t.clone() for n, t in inputs.items()})
     record = {}
-    got = stages.staged_forward(stages.layer_stages(case), layer.compared_names(case), ctx,
-                                {n: t.clone() for n, t in inputs.items()}, record)
+
+    def observe(stage, run):
+        record[stage.name] = {n: t.clone() for n, t in run().items()}
+        return record[stage.name]
+
+    got = tp.TorchTP()(dataclasses.replace(ctx, observe=observe), {n: t.clone() for n, t in inputs.items()})
     assert set(got) == set(want)
     for n in want:
         assert torch.equal(got[n], want[n]), n
@@ -256,7 +250,7 @@ def test_golden_chain_is_the_layer_golden_at_tp1(layer_name):
     latest = {n: t for outputs in chain.values() for n, t in outputs.items()}
     golden_in = {n: t.clone() for n, t in inputs.items()}
     golden_in["wo_a"], golden_in["wo_b"] = layer.full_o_weights(case)
-    want = layer.golden(case.model, golden_in)
+    want = layer.golden(case, golden_in)
     for n in layer.compared_names(case):
         assert torch.equal(latest[n], want[n]), n
     for n, t in layer.rank_inputs(case, 0).items():  # the chain ran on clones
@@ -273,32 +267,40 @@ def test_faithful_csa_and_hca_do_not_diverge(layer_name):
 
 
 class CompressorRowsOff(_OnRank):
-    target = "layers.components.csa_compressor.normalize_rotate"
+    stages = ("compressor",)
 
-    def broken(self, original):
-        return lambda *args: original(*args) * 1.01
+    def broken(self, stage, ctx, v):
+        out = stage.run(ctx, v)
+        rows = out["cmp_kv"].view(-1, out["cmp_kv"].shape[-1])
+        written = (v["cmp_slot_mapping"][v["cmp_slot_mapping"] >= 0]).unique()
+        rows[written] = bf16(rows[written].float() * 1.01)
+        return out
 
 
 class InnerCommitOff(_OnRank):
-    target = "layers.components.indexer.commit_idx_rows"
+    stages = ("indexer_compressor",)
     rank = 0
 
-    def broken(self, original):
-        return lambda cache, scale, slots, rows, hadamard: original(cache, scale, slots, rows.flip(-1), hadamard)
+    def broken(self, stage, ctx, v):
+        out = stage.run(ctx, v)
+        rows = out["idx_kv_cache"].view(-1, out["idx_kv_cache"].shape[-1])
+        written = (v["idx_slot_mapping"][v["idx_slot_mapping"] >= 0]).unique()
+        rows[written] = rows[written].flip(-1)
+        return out
 
 
 class TopkReversed(_OnRank):
-    target = "layers.components.indexer.select_topk"
+    stages = ("indexer_topk",)
 
-    def broken(self, original):
-        return lambda score, visible, k: original(-score, visible, k)
+    def broken(self, stage, ctx, v):
+        return stage.run(ctx, {**v, "idx_weights": -v["idx_weights"]})
 
 
 class HcaPooledOff(_OnRank):
-    target = "layers.components.hca_compressor.normalize_pooled"
+    stages = ("compressor",)
 
-    def broken(self, original):
-        return lambda pooled, w, eps: original(pooled, w, eps) * 1.01
+    def broken(self, stage, ctx, v):
+        return hca.compressor(ctx, v, rotate=lambda y, cos, sin, model: rope_compressed(y * 1.01, cos, sin, model))
 
 
 @pytest.mark.parametrize(
@@ -318,7 +320,8 @@ def test_compressor_and_indexer_defects_located(layer_name, impl, stage, ranks):
 
 def _reference_collectives_job(rank, world, case):
     ctx = RankContext(case=case, rank=rank, device=torch.device("cpu"), group=dist.group.WORLD)
-    a2a, o_proj, rs = stages.layer_stages(case)[6:9]
+    names = [st.name for st in stages.layer_stages(case)]
+    a2a, rs = (stages.layer_stages(case)[names.index(n)] for n in ("group_all_to_all", "reduce_scatter"))
     gen = torch.Generator().manual_seed(rank)
     g, t, gi, d = case.model.o_groups, case.local_t, case.model.group_in, case.model.hidden_size
     a = bf16(torch.randn(g, t, gi, generator=gen))

@@ -95,9 +95,9 @@ def _main_args(x):
     )  # fmt: skip
 
 
-def _run(case, x, weights, state, table, slots, cos, sin, steps=None):
+def _run(case, x, weights, state, table, slots, cos, sin):
     return csa.compressor_rows(
-        steps or csa.live_steps(), case.model, x["x_normed"], weights, state, table, slots, x["position_ids"], cos, sin
+        case.model, x["x_normed"], weights, state, table, slots, x["position_ids"], cos, sin
     )
 
 
@@ -164,7 +164,7 @@ def test_no_commit_when_the_boundary_is_past_the_step():
     cos, sin = freqs_cos[first - first % 4], freqs_sin[first - first % 4]
     naive_state = state.clone()
     pos = positions.reshape(-1)
-    rows = csa.compressor_rows(csa.live_steps(), model, x_normed, weights, state, table, slots, pos, cos, sin)
+    rows = csa.compressor_rows(model, x_normed, weights, state, table, slots, pos, cos, sin)
     expected = naive_compressor_step(model, x_normed, *weights, naive_state, table, slots, pos, cos, sin)
     assert torch.equal(state, naive_state)
     assert sorted(expected) == [2, 4]
@@ -212,12 +212,15 @@ def test_requests_are_processed_in_order(tiny_rank):
     weights, state, table, slots, cos, sin = _main_args(x)
     in_order = _run(case, x, weights, state.clone(), table, slots, cos, sin)
 
-    def write_all_first(state_rows, state_slot_mapping, kv, score, windows, write):
-        write(state_rows, state_slot_mapping, kv, score)
-        return state_rows[windows.clamp_min(0)]
-
-    batched = _run(case, x, weights, state.clone(), table, slots, cos, sin,
-                   steps=csa.live_steps()._replace(write_and_gather=write_all_first))  # fmt: skip
+    # The same step with every request's rows written before any window is read.
+    wkv, wgate, ape, norm_w = weights
+    first = x["position_ids"].to(torch.int64)[:: case.seq]
+    kv, score = csa_compressor.project(x["x_normed"], wkv, wgate, ape, x["position_ids"])
+    windows = csa_compressor.window_rows(table, first, state.shape[1])
+    state_rows = state.clone().view(-1, state.shape[-1])
+    csa_compressor.write_state(state_rows, slots, kv, score)
+    pooled = csa_compressor.pool(state_rows[windows.clamp_min(0)], windows, wkv.shape[0] // 2)
+    batched = csa_compressor.normalize_rotate(pooled, norm_w, cos, sin, case.model.rms_norm_eps)
     differ = (in_order != batched).any(dim=1).nonzero().flatten().tolist()
     assert differ, "writing all requests before pooling must change some pooled row on this fixture"
     assert set(differ) <= set(_aliased_requests(x, case.batch))
@@ -234,7 +237,7 @@ def test_history_reads_see_old_values_of_later_requests():
     # Request 0 reads row 5 (written by request 1) and row 1 (its own token 1); request 1 reads row 5.
     slots = torch.tensor([0, 1, 2, 3, -1, -1, -1, -1, 5, -1, -1, -1, -1, -1, -1, -1])
     windows = torch.tensor([[5, 1, -1, -1, -1, -1, -1, -1], [5, -1, -1, -1, -1, -1, -1, -1]])
-    gathered = csa_compressor.write_and_gather(state_rows, slots, kv, score, windows, csa_compressor.write_state)
+    gathered = csa_compressor.write_and_gather(state_rows, slots, kv, score, windows)
     assert torch.equal(gathered[0, 0], old[5])
     assert torch.equal(gathered[0, 1], torch.cat((kv[1], score[1])))
     assert torch.equal(gathered[1, 0], torch.cat((kv[8], score[8])))

@@ -12,18 +12,17 @@ import pytest
 import torch
 
 from layers import csa
-from layers.components import csa_compressor
-from layers.fixtures import csa as csa_fixture
-from layers.components import hc
-from layers.components import indexer
-from layers.components import qkv
+from layers.components import csa_compressor, hc, indexer, qkv
+from layers.components.numerics import bf16
+from layers.contract.case import Case
 from layers.contract.checks import PoolCheck, RelDiffCheck
+from layers.contract.config import FLASH, SMALL, TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
-from layers.contract.case import Case
-from layers.contract.config import FLASH, SMALL, TINY, ConfigError
-from layers.components.numerics import bf16
+from layers.fixtures import csa as csa_fixture
+from layers.registry import validated
 
+from . import defects
 from .conftest import peer_snapshot
 from .test_csa_compressor import naive_compressor_step
 
@@ -86,7 +85,7 @@ def test_sentinel_rows_hold_minus_inf_and_survive_the_step():
     case = Case("csa", TINY, 2, 64, seed=3)
     x = _golden_inputs(case, 1)
     before = {n: x[n].clone() for n in ("compress_state", "inner_compress_state")}
-    out = csa.LAYER.golden(TINY, x)
+    out = csa.golden_decode_csa_tp1(TINY, x)
     pools = (("compress_state", "state_slot_mapping"), ("inner_compress_state", "inner_state_slot_mapping"))
     for pool, mapping in pools:
         rows = before[pool].view(-1, before[pool].shape[-1])
@@ -106,7 +105,7 @@ def test_sentinel_rows_hold_minus_inf_and_survive_the_step():
 def test_rank_slices_equal_the_stacked_fixture():
     for tp, local_t in ((2, 64), (4, 32), (2, 56)):
         case = Case("csa", TINY, tp, local_t, seed=21)
-        stacked = csa.stacked_inputs(case)
+        stacked = csa_fixture.stacked_inputs(case)
         specs = csa.LAYER.tensor_specs(case)
         assert set(stacked) == {n for n, s in specs.items() if s.kind is not Kind.OUTPUT}
         for rank in range(tp):
@@ -148,7 +147,7 @@ def test_o_weight_shards_reassemble():
 def test_validate_accepts_the_presets():
     cases = ((TINY, 1, 128), (TINY, 8, 16), (TINY, 2, 56), (SMALL, 2, 64), (FLASH, 8, 64), (FLASH, 2, 248))
     for model, tp, local_t in cases:
-        csa.LAYER.validate(Case("csa", model, tp, local_t, seed=0))
+        validated(Case("csa", model, tp, local_t, seed=0))
 
 
 @pytest.mark.parametrize(
@@ -164,7 +163,7 @@ def test_validate_accepts_the_presets():
 )
 def test_validate_rejects(case, message):
     with pytest.raises(ConfigError, match=message) as info:
-        csa.LAYER.validate(case)
+        validated(case)
     assert "\n" not in str(info.value)
 
 
@@ -172,7 +171,7 @@ def test_validate_rejects_aliased_write_rows(monkeypatch):
     """Without the re-placement the default raw table wraps (8 pages, 16 requests): rows collide."""
     monkeypatch.setattr(csa_fixture, "injective_cache_table", lambda default, *a, **k: default)
     with pytest.raises(ConfigError, match=r"rank 0: .*ori_slot_mapping write kv_cache row .*distinct write rows"):
-        csa.LAYER.validate(Case("csa", TINY.replace(kv_ori_block_num=8), 1, 128, 0))
+        validated(Case("csa", TINY.replace(kv_ori_block_num=8), 1, 128, 0))
 
 
 def test_checks_follow_the_validation_order():
@@ -199,7 +198,7 @@ def test_checks_follow_the_validation_order():
 def tiny_tp1():
     case = Case("csa", TINY, 1, 128, seed=13)
     x = _golden_inputs(case, 0)
-    golden = csa.LAYER.golden(TINY, {n: v.clone() for n, v in x.items()})
+    golden = csa.golden_decode_csa_tp1(TINY, {n: v.clone() for n, v in x.items()})
     return case, x, golden
 
 
@@ -302,47 +301,21 @@ def test_attention_masks_invalid_keys(tiny_tp1):
     assert torch.equal(o, o2)
 
 
-# -- injectable defects ------------------------------------------------------------------------
-def _skip_first_commit(cmp_kv, slots, rows):
-    slots = slots.clone()
-    slots[(slots >= 0).nonzero()[0]] = -1
-    _COMMIT(cmp_kv, slots, rows)
-
-
-def _state_at_wrong_slot(state_rows, slots, kv, score):
-    _WRITE(state_rows, torch.where(slots >= 0, slots + 1, slots), kv, score)
-
-
-def _sentinel_overwritten(state_rows, slots, kv, score):
-    _WRITE(state_rows, slots, kv, score)
-    sentinel = torch.isinf(state_rows[:, -1]).nonzero()
-    if sentinel.numel():
-        state_rows[sentinel[0]] = 0.0
-
-
-def _topk_off_by_one(score, visible, k):
-    top = _TOPK(score, visible, k)
-    return torch.where(top >= 0, top + 1, top)
-
-
-_COMMIT, _WRITE, _TOPK = csa_compressor.commit_cmp_rows, csa_compressor.write_state, indexer.select_topk
-
-
+# -- stage defects -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "module, name, defect, hit",
+    "defect, hit",
     [
-        (csa_compressor, "commit_cmp_rows", _skip_first_commit, "cmp_kv"),
-        (csa_compressor, "write_state", _state_at_wrong_slot, "compress_state"),
-        (csa_compressor, "write_state", _sentinel_overwritten, "compress_state"),
-        (indexer, "select_topk", _topk_off_by_one, "x_out"),
+        (defects.CsaMissedCommit, "cmp_kv"),
+        (defects.CsaStateWrongSlot, "compress_state"),
+        (defects.CsaSentinelOverwritten, "compress_state"),
+        (defects.CsaTopkOffByOne, "x_out"),
     ],
 )
-def test_defects_reach_the_forward_not_the_golden(tiny_tp1, monkeypatch, module, name, defect, hit):
+def test_defects_reach_the_forward_not_the_golden(tiny_tp1, defect, hit):
     case, x, golden = tiny_tp1
-    monkeypatch.setattr(module, name, defect)
     shard = {n: v.clone() for n, v in csa.LAYER.rank_inputs(case, 0).items()}
-    out = csa.LAYER.forward(RankContext(case=case, rank=0, device=torch.device("cpu")), shard)
+    out = defect()(RankContext(case=case, rank=0, device=torch.device("cpu")), shard)
     assert not torch.equal(_bits(out[hit]), _bits(golden[hit]))
-    again = csa.LAYER.golden(TINY, {n: v.clone() for n, v in x.items()})
+    again = csa.golden_decode_csa_tp1(TINY, {n: v.clone() for n, v in x.items()})
     for n in golden:
         assert torch.equal(_bits(again[n]), _bits(golden[n])), n

@@ -71,7 +71,7 @@ def test_o_weights_drawn_once_are_the_streamed_shard_and_full_weights(layer, sco
     the full ones) is bit for bit the streamed shard plus the separately built full weights."""
     from layers.contract.case import Case
     from layers.contract.config import TINY
-    from layers.scopes import get_scope
+    from layers.registry import get_scope
 
     lay = get_scope(layer, scope)
     case = Case(layer, TINY, 4, 32, 11)

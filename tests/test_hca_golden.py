@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from layers.registry import validated
 from layers import hca
+from layers.fixtures import hca as hca_fixture
 from layers.contract.tensors import Kind
 from layers.contract.case import Case
 from layers.contract.config import SMALL
@@ -109,11 +111,11 @@ def test_fixture_metadata_and_constants_are_the_snapshots():
     """Everything of §5 and the fixed tensors of §6.1 are RNG-free: they must match exactly."""
     inp, _ = _snapshot()
     case = Case("hca", SMALL, 2, int(inp["local_t"]), 20260819)
-    hca.LAYER.validate(case)
+    validated(case)
     for r in range(2):
         mine = hca.LAYER.rank_inputs(case, r)
         for name in (
-            *hca.rank_metadata(case, hca.rank_starts(case, r)),
+            *hca_fixture.rank_metadata(case, hca_fixture.rank_starts(case, r)),
             "hc_attn_scale", "hc_attn_base", "attn_norm_w", "gamma_cq", "gamma_ckv", "attn_sink", "compress_state",
         ):  # fmt: skip
             assert torch.equal(mine[name], inp[name][r]), f"rank {r} {name}"

@@ -14,14 +14,16 @@ import pytest
 import torch
 
 from layers import hca
-from layers.components import attention
-from layers.components import metadata
-from layers.components import rope
+from layers.components import attention, metadata, rope
+from layers.contract.case import Case
 from layers.contract.checks import PoolCheck, RelDiffCheck
+from layers.contract.config import TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
-from layers.contract.case import Case
-from layers.contract.config import TINY, ConfigError
+from layers.fixtures import hca as hca_fixture
+from layers.registry import validated
+
+from . import defects
 
 # The attention's exps as the layer evaluates them: correctly rounded fp32 (test_attention.py).
 from layers.components.attention import exp_rounded_from_fp64 as _exp
@@ -111,14 +113,14 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_metadata_matches_the_spec_loops(case):
     m = case.model
-    hca.LAYER.validate(case)
-    starts = hca.rank_starts(case, 0)
-    meta = hca.rank_metadata(case, starts)
+    validated(case)
+    starts = hca_fixture.rank_starts(case, 0)
+    meta = hca_fixture.rank_metadata(case, starts)
     slots, indices, lens = naive_window(starts, m)
     assert meta["ori_slot_mapping"].tolist() == slots
     assert meta["window_swa_indices"].tolist() == indices
     assert meta["window_swa_lens"].tolist() == lens
-    table, cmp_slots = naive_cmp(starts, m, hca.cmp_table_width(case))
+    table, cmp_slots = naive_cmp(starts, m, hca_fixture.cmp_table_width(case))
     assert meta["cmp_block_table"].tolist() == table
     assert meta["cmp_slot_mapping"].tolist() == cmp_slots
     entries, default, rows = naive_state(starts, m)
@@ -144,10 +146,10 @@ def test_metadata_matches_the_spec_loops(case):
 
 
 def test_batch_31_default_table_aliases_and_is_re_placed():
-    starts = hca.canonical_starts(Case("hca", WIDE, 2, 248, 0))
+    starts = hca_fixture.canonical_starts(Case("hca", WIDE, 2, 248, 0))
     pos = metadata.position_ids_from_starts(starts, 8)
-    assert hca.injective_state_pages(pos, WIDE) is not None
-    assert hca.injective_state_pages(pos[:8], WIDE) is None  # batch 8 divides the pool
+    assert hca_fixture.injective_state_pages(pos, WIDE) is not None
+    assert hca_fixture.injective_state_pages(pos[:8], WIDE) is None  # batch 8 divides the pool
 
 
 # -- visibility of committed rows (§4.6 step 2, §10.4) ------------------------------------------
@@ -200,7 +202,7 @@ def naive_attention(q, kv_cache, cmp_kv, window, cmp_table, positions, seq_lens,
 def test_attention_over_window_and_committed_rows_matches_the_spec_loop(starts):
     m = TINY
     case = Case("hca", m, 1, 8 * len(starts), 0, starts)
-    meta = hca.rank_metadata(case, list(starts))
+    meta = hca_fixture.rank_metadata(case, list(starts))
     g = torch.Generator().manual_seed(3)
     t = case.local_t
     q = torch.randn(t, m.num_attention_heads, m.head_dim, generator=g).bfloat16()
@@ -234,10 +236,10 @@ def _run(case, fn, rank=0):
     ids=["canonical-batch16", "mixed-long", "1M-ceiling"],
 )
 def test_tp1_forward_equals_golden_bitwise(case):
-    hca.LAYER.validate(case)
+    validated(case)
     ctx = RankContext(case, 0, CPU)
     inputs = hca.LAYER.rank_inputs(case, 0)
-    golden = _run(case, lambda x: hca.LAYER.golden(case.model, x))
+    golden = _run(case, lambda x: hca.LAYER.golden(case, x))
     forward = _run(case, lambda x: hca.LAYER.forward(ctx, x))
     for name in ("x_out", "compress_state", "kv_cache", "cmp_kv"):
         assert torch.equal(forward[name], golden[name]), name
@@ -253,7 +255,7 @@ def test_1m_context_commits_the_last_row_and_sees_all_8192():
     assert x["cmp_block_table"].tolist() == [list(range(256))]
     assert x["cmp_slot_mapping"].tolist() == [-1] * 7 + [255 * 32 + 31]
     t0 = time.perf_counter()
-    out = hca.LAYER.golden(case.model, {n: v.clone() for n, v in x.items()})
+    out = hca.LAYER.golden(case, {n: v.clone() for n, v in x.items()})
     assert time.perf_counter() - t0 < 30
     assert not torch.equal(out["cmp_kv"].view(-1, 64)[8191], x["cmp_kv"].view(-1, 64)[8191])
     assert torch.isfinite(out["x_out"]).all()
@@ -263,14 +265,14 @@ def test_1m_context_commits_the_last_row_and_sees_all_8192():
 def test_rank_slices_equal_the_stacked_fixture(tp, local_t):
     case = Case("hca", TINY, tp, local_t, 7)
     specs = hca.LAYER.tensor_specs(case)
-    stacked = hca.stacked_inputs(case)
-    assert list(stacked) == [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
+    stacked = hca_fixture.stacked_inputs(case)
+    assert set(stacked) == {n for n, s in specs.items() if s.kind is not Kind.OUTPUT}
     wo_a, wo_b = hca.LAYER.full_o_weights(case)
     assert torch.equal(wo_a.reshape(stacked["wo_a"].shape), stacked["wo_a"])
     assert torch.equal(wo_b.reshape(wo_b.shape[0], tp, -1).permute(1, 0, 2), stacked["wo_b"])
     for r in range(tp):
         mine = hca.LAYER.rank_inputs(case, r)
-        assert list(mine) == list(stacked)
+        assert set(mine) == set(stacked)
         for name, x in mine.items():
             want = stacked[name] if name == "local_t" else stacked[name][r]
             assert x.dtype == specs[name].dtype and tuple(x.shape) == specs[name].shape, name
@@ -286,8 +288,8 @@ def test_fixture_values_follow_the_recipes():
     case = Case("hca", TINY, 2, 64, 1)
     x = hca.LAYER.rank_inputs(case, 0)
     assert (x["x_hc"].abs() <= 1).all() and x["x_hc"].std() > 0.5
-    assert abs(x["hc_attn_fn"].std().item() - hca.HC_ATTN_FN_STD) < 0.002
-    assert abs(x["cmp_norm_w"].float().mean().item() - hca.CMP_NORM_W_MEAN) < 0.02
+    assert abs(x["hc_attn_fn"].std().item() - hca_fixture.HC_ATTN_FN_STD) < 0.002
+    assert abs(x["cmp_norm_w"].float().mean().item() - hca_fixture.CMP_NORM_W_MEAN) < 0.02
     rms = x["kv_cache"].float().pow(2).mean(-1).sqrt()
     assert torch.allclose(rms, torch.ones_like(rms), atol=0.01)
     assert not x["compress_state"].any() and not x["attn_sink"].any()
@@ -317,38 +319,30 @@ def test_checks_are_validation_12_2_in_order():
 )
 def test_validate_rejects_with_one_line(case, message):
     with pytest.raises(ConfigError, match=message) as err:
-        hca.LAYER.validate(case)
+        validated(case)
     assert "\n" not in str(err.value)
 
 
 def test_validate_accepts_the_tiny_preset_at_every_tp():
     for tp in (1, 2, 4, 8):
-        hca.LAYER.validate(Case("hca", TINY, tp, TINY.decode_tokens // tp, 0))
+        validated(Case("hca", TINY, tp, TINY.decode_tokens // tp, 0))
 
 
 @pytest.mark.parametrize(
-    "target, pool",
+    "defect, pool",
     [
-        ("layers.components.hca_compressor.commit", "cmp_kv"),  # a missed commit
-        ("layers.components.hca_compressor.window_state_rows", "cmp_kv"),  # pooling over the wrong rows
-        ("layers.components.hca_compressor.rope_compressed", "cmp_kv"),  # a wrong rope position
-        ("layers.hca.write_kv_cache", "kv_cache"),
+        (defects.HcaMissedCommit, "cmp_kv"),
+        (defects.HcaPoolsWrongRows, "cmp_kv"),
+        (defects.HcaWrongRopePosition, "cmp_kv"),
+        (defects.CacheWriteWrongSlot, "kv_cache"),
     ],
 )
-def test_injected_stage_defect_reaches_the_forward_only(monkeypatch, target, pool):
-    """Where a test injects compressor defects; x_out barely sees them (hca.md §11)."""
+def test_stage_defect_reaches_the_forward_only(defect, pool):
+    """A replaced stage changes the implementation's pools; the golden stays the layer's own
+    (x_out barely sees compressor defects, hca.md §11)."""
     case = Case("hca", TINY, 1, 64, 4)
-    golden = _run(case, lambda x: hca.LAYER.golden(case.model, x))
-    module, _, name = target.rpartition(".")
-    original = getattr(__import__(module, fromlist=[name]), name)
-    defects = {
-        "commit": lambda cmp_kv, slots, y: None,
-        "window_state_rows": lambda table, b, p, sb: original(table, b, p + RATIO if p < 2 * RATIO else p - RATIO, sb),
-        "rope_compressed": lambda y, c, s, m: original(y, c.roll(1, 0), s.roll(1, 0), m),
-        "write_kv_cache": lambda kv_cache, slots, kv: original(kv_cache, slots, kv.roll(1, 0)),
-    }
-    monkeypatch.setattr(target, defects[name])
-    forward = _run(case, lambda x: hca.LAYER.forward(RankContext(case, 0, CPU), x))
+    golden = _run(case, lambda x: hca.LAYER.golden(case, x))
+    forward = _run(case, lambda x: defect()(RankContext(case, 0, CPU), x))
     assert not torch.equal(forward[pool], golden[pool])
-    again = _run(case, lambda x: hca.LAYER.golden(case.model, x))
+    again = _run(case, lambda x: hca.LAYER.golden(case, x))
     assert torch.equal(again[pool], golden[pool]) and torch.equal(again["x_out"], golden["x_out"])

@@ -9,25 +9,21 @@ misrouted inputs must fail the same check.
 
 from __future__ import annotations
 
-import datetime
-import socket
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from layers import swa
-from layers.distributed import collectives as tp
-from layers.tp import TorchTP
 from layers.components import attention
 from layers.components import o_proj as output_half
-from layers.contract.context import RankContext
+from layers.components.numerics import bf16
 from layers.contract.case import Case
 from layers.contract.config import TINY
-from layers.components.numerics import bf16
+from layers.contract.context import RankContext
+from layers.distributed import collectives as tp
+from layers.tp import TorchTP
+
+from .rank_harness import run_ranks as run_gloo_ranks
 
 # Generic dims of the projection tests (the functions are shape-generic): G = 8 groups so
 # that tp = 2 and 4 both own whole groups; GI >= OL for the selection design.
@@ -35,37 +31,14 @@ G, GI, OL, D = 8, 32, 16, 24
 
 
 # -- real processes ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(rank: int, world: int, port: int, out_dir: str, job, args) -> None:
-    torch.set_num_threads(1)  # tp processes share 2 cores
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        case = Case("swa", TINY, world, 8, 0)
-        ctx = RankContext(case=case, rank=rank, device=torch.device("cpu"), group=dist.group.WORLD)
-        torch.save(job(ctx, *args), Path(out_dir) / f"{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _with_context(rank: int, world: int, job, args) -> object:
+    case = Case("swa", TINY, world, 8, 0)
+    return job(RankContext(case=case, rank=rank, device=torch.device("cpu"), group=dist.group.WORLD), *args)
 
 
 def run_ranks(world: int, job, *args) -> list:
-    """`job(ctx, *args)` on `world` gloo ranks; returns every rank's result, by rank.
-
-    fork (not spawn): the children inherit the imported torch, which keeps a tp = 4 run at a
-    second on 2 cores; the ranks set one intra-op thread.
-    """
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _rank_entry, args=(world, _free_port(), out_dir, job, args), nprocs=world, join=True, start_method="fork"
-        )
-        return [torch.load(Path(out_dir) / f"{r}.pt", weights_only=True) for r in range(world)]
+    """`job(ctx, *args)` on `world` gloo ranks (`tests.rank_harness`); every rank's result, by rank."""
+    return run_gloo_ranks(world, _with_context, job, args)
 
 
 # -- references -------------------------------------------------------------------------------
@@ -315,7 +288,7 @@ def test_swa_tp2_forward_matches_per_rank_golden():
     for r, res in enumerate(results):
         tensors = swa.LAYER.rank_inputs(case, r)
         tensors["wo_a"], tensors["wo_b"] = wo_a, wo_b
-        want = swa.LAYER.golden(case.model, tensors)
+        want = swa.LAYER.golden(case, tensors)
         assert torch.equal(res["kv_cache"], want["kv_cache"]), f"rank {r}"  # the pre-projection steps are shared
         # Only the projection's fp32 order differs (§5.7): at most rare 1-ulp bf16 flips of
         # attn_out (|attn_out| < 1 here, ulp <= 2^-8) times post < 2.

@@ -27,7 +27,7 @@ from layers.contract.case import Case
 from layers.contract.checks import AllcloseCheck, ExactCheck, PrefixTailCheck
 from layers.contract.config import TINY, ConfigError
 from layers.components.numerics import bf16
-from layers.registry import get_layer
+from layers.registry import get_layer, get_scope, validated
 from launcher.verify.exact import PrefixAndTail, SentinelExact
 
 from .rank_harness import run_scope
@@ -50,7 +50,7 @@ def _passed(verdicts: dict) -> bool:
 def test_scope_passes_at_every_tp(scope, tp_size):
     case = _below_capacity(tp_size)
     verdicts = run_scope(case, scope)
-    assert list(verdicts) == list(scopes.get_scope("swa", scope).compared_names(case))
+    assert list(verdicts) == list(get_scope("swa", scope).compared_names(case))
     assert _passed(verdicts), verdicts
     for v in verdicts.values():
         assert len(v["per_rank"]) == tp_size
@@ -74,9 +74,9 @@ def test_scope_passes_at_capacity(scope):
 def test_scopes_of_the_other_layers(layer):
     case = dataclasses.replace(_below_capacity(2), layer=layer)
     for scope in ("output", "collectives"):
-        assert scopes.get_scope(layer, scope).name == layer
+        assert get_scope(layer, scope).name == layer
         assert _passed(run_scope(case, scope))
-    get_layer(layer).validate(case)
+    validated(case)
     assert _passed(run_scope(case, "tp1"))
 
 
@@ -120,7 +120,7 @@ def _naive_collectives_golden(case: Case, stacked: dict[str, torch.Tensor]) -> l
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_collectives_fixture_and_golden_follow_the_spec(tp_size):
     case = _below_capacity(tp_size)
-    layer = scopes.get_scope("swa", "collectives")
+    layer = get_scope("swa", "collectives")
     stacked = _stacked_collectives(case)
     want = _naive_collectives_golden(case, stacked)
     for r in range(tp_size):
@@ -130,18 +130,18 @@ def test_collectives_fixture_and_golden_follow_the_spec(tp_size):
         assert int(inputs["tp_rank"][0]) == r and int(inputs["local_t"]) == case.local_t
         for name in layer.compared_names(case):
             assert (inputs[name] == -7.0).all(), name
-        got = layer.golden(case.model, {n: x.clone() for n, x in inputs.items()})
+        got = layer.golden(case, {n: x.clone() for n, x in inputs.items()})
         for name, expected in want[r].items():
             assert torch.equal(got[name], expected), (r, name)
 
 
 def test_collectives_golden_refuses_foreign_inputs():
     case = _below_capacity(2)
-    layer = scopes.get_scope("swa", "collectives")
+    layer = get_scope("swa", "collectives")
     inputs = layer.rank_inputs(case, 1)
     inputs["kv_local"][0, 0] += 1
     with pytest.raises(ValueError, match="§9.2"):
-        layer.golden(case.model, inputs)
+        layer.golden(case, inputs)
 
 
 def _naive_o_proj(x, wo_a, wo_b, wo_b_scale):
@@ -162,7 +162,7 @@ def _naive_o_proj(x, wo_a, wo_b, wo_b_scale):
 def test_output_fixture_poison_and_projection_golden():
     case = _below_capacity(2)
     m, t = case.model, case.local_t
-    layer = scopes.get_scope("swa", "output")
+    layer = get_scope("swa", "output")
     inputs = layer.rank_inputs(case, 1)
     pages = math.ceil(m.sliding_window / m.block_size)
     cache = inputs["kv_cache"].float()
@@ -180,7 +180,7 @@ def test_output_fixture_poison_and_projection_golden():
             for r in range(ol):
                 assert wo_a[lgi, r, r + kb * ol] == (lgi + 1) * c
     assert int((wo_a != 0).sum()) == case.local_o_groups * ol * (m.group_in // ol)
-    got = layer.golden(case.model, {**{n: v.clone() for n, v in inputs.items()},
+    got = layer.golden(case, {**{n: v.clone() for n, v in inputs.items()},
                                     **dict(zip(("wo_a", "wo_b"), layer.full_o_weights(case)))})
     want = _naive_o_proj(x[:, :group_t], inputs["proj_wo_a"], inputs["proj_wo_b"], inputs["wo_b_scale"])
     assert torch.equal(got["o_partial"][:group_t], want)
@@ -191,13 +191,13 @@ def test_output_golden_closed_form():
     """swa.md §9.4: all WIN keys equal, so head h's dim 0 is WIN·0.25 / (WIN + exp(sink − q0·0.25·scale))."""
     case = _below_capacity(2)
     m, t = case.model, case.local_t
-    layer = scopes.get_scope("swa", "output")
+    layer = get_scope("swa", "output")
     wo_a_full, wo_b_full = layer.full_o_weights(case)
     hpg, ol, hd = m.heads_per_group, m.o_lora_rank, m.head_dim
     for r in range(case.tp):
         inputs = layer.rank_inputs(case, r)
         golden_in = {**{n: v.clone() for n, v in inputs.items()}, "wo_a": wo_a_full, "wo_b": wo_b_full}
-        got = layer.golden(case.model, golden_in)
+        got = layer.golden(case, golden_in)
         head0 = torch.zeros(t, m.num_attention_heads)
         for i in range(t):
             for h in range(m.num_attention_heads):
@@ -222,7 +222,7 @@ def test_output_golden_closed_form():
 # -- implementations that send, read or write outside the valid rows --------------------------
 def _writes_padding_row(ctx, tensors):
     """Rank 1's reduce-scatter writes one row past local_t."""
-    out = scopes.get_scope("swa", "collectives").forward(ctx, tensors)
+    out = get_scope("swa", "collectives").forward(ctx, tensors)
     if ctx.rank == 1:
         out["o_local"][ctx.case.local_t] = 0.0
     return out
@@ -230,7 +230,7 @@ def _writes_padding_row(ctx, tensors):
 
 def _gathers_capacity_rows(ctx, tensors):
     """The kv all-gather sends every capacity row (padded stride, poison included)."""
-    out = scopes.get_scope("swa", "collectives").forward(ctx, tensors)
+    out = get_scope("swa", "collectives").forward(ctx, tensors)
     whole = collectives.kv_all_gather(ctx, tensors["kv_local"])  # [P·LOCAL_T, D]
     out["kv_group"].copy_(whole)
     return out
@@ -238,7 +238,7 @@ def _gathers_capacity_rows(ctx, tensors):
 
 def _padded_stride_all_to_all(ctx, tensors):
     """The group all-to-all sends LOCAL_T_PAD rows per group and lands them at s·LOCAL_T_PAD (P9)."""
-    out = scopes.get_scope("swa", "collectives").forward(ctx, tensors)
+    out = get_scope("swa", "collectives").forward(ctx, tensors)
     m, pad = ctx.model, ctx.case.local_t_pad
     whole = collectives.group_all_to_all(ctx, tensors["attention_grouped"].view(m.o_groups, pad, m.group_in))
     out["attention_local_groups"].copy_(whole.reshape(-1, m.group_in))
@@ -268,14 +268,14 @@ def test_collectives_defects_fail(impl, tensor, figure):
 
 def _projection_reads_tail(ctx, tensors):
     """The sharded projection runs over the whole receive buffer, NaN tail included."""
-    out = scopes.get_scope("swa", "output").forward(ctx, tensors)
+    out = get_scope("swa", "output").forward(ctx, tensors)
     out["o_partial"].copy_(output_half.sharded_o_proj(
         tensors["proj_attention_local_groups"], tensors["proj_wo_a"], tensors["proj_wo_b"], tensors["wo_b_scale"]))
     return out
 
 
 def _writes_o_local_tail(ctx, tensors):
-    out = scopes.get_scope("swa", "output").forward(ctx, tensors)
+    out = get_scope("swa", "output").forward(ctx, tensors)
     if ctx.rank == 0:
         out["o_local"][ctx.case.local_t :] = 0.0
     return out
@@ -287,7 +287,7 @@ def _reduce_scatter_without_sum(ctx, tensors):
         return bf16(o_partial[ctx.rank * t : (ctx.rank + 1) * t])
 
     with mock.patch("layers.distributed.collectives.reduce_scatter", own_rows):
-        return scopes.get_scope("swa", "output").forward(ctx, tensors)
+        return get_scope("swa", "output").forward(ctx, tensors)
 
 
 @pytest.mark.parametrize(
@@ -309,7 +309,7 @@ def test_output_defects_fail(impl, tensor, kind):
 @pytest.mark.parametrize("scope", SCOPES)
 def test_snapshot_roundtrip_replays_the_golden(scope, tmp_path):
     case = _below_capacity(2)
-    layer = scopes.get_scope("swa", scope)
+    layer = get_scope("swa", scope)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
     in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
@@ -318,7 +318,7 @@ def test_snapshot_roundtrip_replays_the_golden(scope, tmp_path):
         x = {n: v.clone() for n, v in inputs.items()}
         if layer.sharded_o_weights:
             x["wo_a"], x["wo_b"] = layer.full_o_weights(case)
-        return {n: layer.golden(case.model, x)[n] for n in compared}
+        return {n: layer.golden(case, x)[n] for n in compared}
 
     ranks = [layer.rank_inputs(case, r) for r in range(case.tp)]
     outs = [golden(inputs) for inputs in ranks]
@@ -336,32 +336,32 @@ def test_snapshot_roundtrip_replays_the_golden(scope, tmp_path):
 
 # -- registry and validation ------------------------------------------------------------------
 def test_get_scope():
-    assert scopes.get_scope("swa") is get_layer("swa") and scopes.get_scope("swa", "full") is get_layer("swa")
-    assert scopes.get_scope("swa", "output") is scopes.get_scope("swa", "output")
-    assert scopes.get_scope("swa", "tp1").scope == "tp1"
+    assert get_scope("swa") is get_layer("swa") and get_scope("swa", "full") is get_layer("swa")
+    assert get_scope("swa", "output") is get_scope("swa", "output")
+    assert get_scope("swa", "tp1").scope == "tp1"
     with pytest.raises(ConfigError, match="unknown scope 'half'"):
-        scopes.get_scope("swa", "half")
+        get_scope("swa", "half")
     with pytest.raises(ConfigError, match="unknown layer"):
-        scopes.get_scope("mla", "output")
+        get_scope("mla", "output")
 
 
 def test_scope_validation_names_the_rule():
-    layer = scopes.get_scope("swa", "output")
+    layer = get_scope("swa", "output")
     with pytest.raises(ConfigError, match="o_lora_rank=1 must be >= heads_per_group=2"):
         layer.validate(Case("swa", TINY.replace(o_lora_rank=1), 2, 56, 0))
     with pytest.raises(ConfigError, match="tp=3"):
-        scopes.get_scope("swa", "collectives").validate(Case("swa", TINY, 3, 8, 0))
+        validated(Case("swa", TINY, 3, 8, 0, scope="collectives"))
     with pytest.raises(TypeError, match="no O weights"):
-        scopes.get_scope("swa", "collectives").full_o_weights(_below_capacity(2))
+        get_scope("swa", "collectives").full_o_weights(_below_capacity(2))
 
 
 def test_tp1_specs_hold_the_full_o_weights():
     case = _below_capacity(4)
-    specs = scopes.get_scope("swa", "tp1").tensor_specs(case)
+    specs = get_scope("swa", "tp1").tensor_specs(case)
     m = case.model
     assert specs["wo_a"].shape == (m.o_groups, m.o_lora_rank, m.group_in)
     assert specs["wo_b"].shape == (m.hidden_size, m.o_groups * m.o_lora_rank)
-    inputs = scopes.get_scope("swa", "tp1").rank_inputs(case, 3)
+    inputs = get_scope("swa", "tp1").rank_inputs(case, 3)
     wo_a, wo_b = get_layer("swa").full_o_weights(case)
     assert torch.equal(inputs["wo_a"], wo_a) and torch.equal(inputs["wo_b"], wo_b)
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from layers.contract.case import TOKEN_TILE, Case
 from layers.contract.config import ConfigError, ModelConfig
 from layers.contract.layer import Layer
-from layers.scopes import get_scope
+from layers.registry import get_scope, validated
 
 from launcher.config.faults import Fault
 from launcher.config.faults import check_unset as check_fault_unset
@@ -195,10 +195,7 @@ def validated_spec(cfg: DictConfig, output_dir: str, *,
         fixed = snapshot_local_t(spec.golden_data, cfg.local_t)
         if fixed is not None:
             spec = dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=fixed))
-    # Validated here, once. (Each layer's Layer.validate still calls case.validate() itself;
-    # layers/ can drop that call, since this reader is where the case is validated.)
-    spec.case.validate()
-    spec.layer.validate(spec.case)
+    validated(spec.case)  # the one validation of a case: its TP rules, then its layer's
     return spec
 
 

@@ -140,7 +140,7 @@ def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dic
     tensors = {n: t.clone() if n in inout else t for n, t in inputs.items()}
     if layer.sharded_o_weights:
         tensors["wo_a"], tensors["wo_b"] = wo_full
-    out = layer.golden(case.model, tensors)
+    out = layer.golden(case, tensors)
     return {n: out[n] for n in layer.compared_names(case)}
 
 

@@ -3,17 +3,16 @@
 Runs inside every rank after the full run's comparison failed (validation.md §7: compare the
 intermediates in dependency order and blame the first stage whose error blows up):
 
-1. The golden chain: the layer's stages (`layers.stages`) with the golden's functions on clones
-   of the rank's inputs. Cross-rank stages read every rank's golden inputs through an
-   all-gather here and apply swa.md §5.3 / §5.5's index maps, so the golden never runs the
+1. The golden chain: the layer's stage list (`layers.stages`) on clones of the rank's inputs.
+   Cross-rank stages read every rank's golden inputs through an all-gather here and apply
+   swa.md §5.3 / §5.5's index maps (`Stage.reference`), so the golden never runs the
    collectives under test.
-2. The implementation, called as in the full run (`impl(ctx, tensors)`), with the layer's
-   `forward` replaced for that call by `layers.stages.staged_forward`: an implementation that
-   dispatches to the layer's forward (`layers.tp.TorchTP` and its subclasses, defects patched
-   inside their call included) runs the same live stage functions, each stage's outputs
-   recorded. Any other implementation takes part by adding intermediates to the dict it
-   returns, under the stage tensor names (`layers.stages.stage_tensors`); the compared outputs
-   (the pools, x_out) always count as their stages' outputs.
+2. The implementation, called as in the full run (`impl(ctx, tensors)`) with a context that
+   observes stages: a stage-based implementation (`layers.tp.TorchTP` and its subclasses, a
+   stage they replace included) reports each stage's outputs as it runs it. Any other
+   implementation takes part by adding intermediates to the dict it returns, under the stage
+   tensor names (`layers.stages.stage_tensors`); the compared outputs (the pools, x_out)
+   always count as their stages' outputs.
 3. Each stage is judged in isolation: the golden stage re-run on the implementation's own inputs
    to that stage (its earlier outputs, or the rank's initial tensors) against the
    implementation's outputs, with the stage's check. A stage whose inputs were not exposed is
@@ -27,17 +26,18 @@ intermediates in dependency order and blame the first stage whose error blows up
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from layers.contract.checks import ExactCheck
 from layers.contract.context import RankContext
 from layers.contract.layer import Layer
-from layers.contract.checks import ExactCheck
+from layers.contract.stage import Stage
 from layers.distributed import wire
-from layers.stages import Stage, layer_stages, staged_forward
+from layers.stages import layer_stages
 
 from launcher.verify.base import initial_key
 from launcher.verify.build import build_comparator
@@ -61,28 +61,27 @@ def golden_chain(stages: Sequence[Stage], ctx: RankContext, initial: dict[str, t
     values = {n: t.clone() for n, t in initial.items()}
     chain = {}
     for stage in stages:
-        chain[stage.name] = _golden_stage(stage, ctx, {n: values[n] for n in stage.inputs})
+        chain[stage.name] = _golden_stage(stage, ctx, {n: values[n] for n in stage.reads})
         values.update(chain[stage.name])
     return chain
 
 
-@contextmanager
-def _staged(layer: Layer, stages: Sequence[Stage], ctx: RankContext, record: dict) -> Iterator[None]:
-    """The layer's `forward` is the recording staged forward while the implementation runs."""
-    outputs = layer.compared_names(ctx.case)
-    layer.forward = lambda c, tensors: staged_forward(tuple(stages), outputs, c, tensors, record)
-    try:
-        yield
-    finally:
-        del layer.forward  # the class's forward again
+def _run_impl(stages: Sequence[Stage], ctx: RankContext, inputs: dict, impl) -> tuple[dict, dict, bool]:
+    """`(returned outputs, stage -> recorded outputs, whether stages were observed)` on CPU.
 
-
-def _run_impl(layer: Layer, stages: Sequence[Stage], ctx: RankContext, inputs: dict, impl) -> tuple[dict, dict, bool]:
-    """`(returned outputs, stage -> recorded outputs, whether the staged forward ran)` on CPU."""
+    A stage-based implementation (`layers.tp.TorchTP` and its subclasses, or any code that
+    runs stages with `layers.staged.run_stages`) reports each stage it runs through the
+    context's observer: its outputs are recorded as it computed them, a replaced stage's
+    included."""
     tensors = {n: t.to(ctx.device, copy=True) for n, t in inputs.items()}
     record: dict[str, dict[str, torch.Tensor]] = {}
-    with _staged(layer, stages, ctx, record):
-        returned = impl(ctx, tensors)
+
+    def observe(stage: Stage, run):
+        produced = run()
+        record[stage.name] = {n: t.detach().to("cpu", copy=True) for n, t in produced.items()}
+        return produced
+
+    returned = impl(dataclasses.replace(ctx, observe=observe), tensors)
     returned = {n: t.detach().to("cpu", copy=True) for n, t in returned.items() if isinstance(t, torch.Tensor)}
     staged = bool(record)
     if not staged:  # the implementation's own intermediates, by the stage tensor names
@@ -130,7 +129,7 @@ def bisect_rank(layer: Layer, ctx: RankContext, inputs: dict[str, torch.Tensor],
     stages = layer_stages(ctx.case)
     initial = {n: t.detach().to("cpu", copy=True) for n, t in inputs.items()}
     chain = golden_chain(stages, ctx, initial)
-    returned, record, staged = _run_impl(layer, stages, ctx, inputs, impl)
+    returned, record, staged = _run_impl(stages, ctx, inputs, impl)
     # The comparators' context: the rank's inputs, and every pool as it was before the step.
     judge_inputs = {**initial, **{initial_key(n): t for n, t in initial.items()}}
 
@@ -139,7 +138,7 @@ def bisect_rank(layer: Layer, ctx: RankContext, inputs: dict[str, torch.Tensor],
     seen, plans = dict(initial), []
     for stage in stages:
         got = record.get(stage.name, {})
-        args = {n: seen[n] for n in stage.inputs} if all(n in seen for n in stage.inputs) else None
+        args = {n: seen[n] for n in stage.reads} if all(n in seen for n in stage.reads) else None
         plans.append((got, args))
         for name in stage.output_names:  # a stale initial value must not stand in for an output
             if name in got:
@@ -153,7 +152,7 @@ def bisect_rank(layer: Layer, ctx: RankContext, inputs: dict[str, torch.Tensor],
         reference = _golden_stage(stage, ctx, {n: t.clone() for n, t in args.items()}) if alone else None
         mode = "isolated" if alone else ("chain" if got else "absent")
         tensors = []
-        for out in stage.outputs:
+        for out in stage.writes:
             name = out.name
             if name not in got:
                 tensors.append({"tensor": name, "passed": None, "exposed": False})

@@ -21,8 +21,6 @@ can inject a defect into one stage, e.g. `write_state` or `commit_cmp_rows`).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from .numerics import bf16, f32
@@ -72,9 +70,8 @@ def write_and_gather(
     kv: torch.Tensor,
     score: torch.Tensor,
     windows: torch.Tensor,
-    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> torch.Tensor:
-    """Write each request's S state rows with `write` (`write_state`), then read its window rows: [B, 8, 2·OUT].
+    """Write each request's S state rows, then read its window rows: [B, 8, 2·OUT].
 
     The loop over requests is the semantics (§9 pitfall 2): a window row may alias a row a
     later request writes in this step (it must still see the old value) or one an earlier
@@ -86,7 +83,7 @@ def write_and_gather(
     gathered = state_rows.new_zeros(b, w, state_rows.shape[1])
     for i in range(b):
         tok = slice(i * seq, (i + 1) * seq)
-        write(state_rows, state_slot_mapping[tok], kv[tok], score[tok])
+        write_state(state_rows, state_slot_mapping[tok], kv[tok], score[tok])
         gathered[i] = state_rows[windows[i].clamp_min(0)]
     return gathered
 

@@ -6,11 +6,9 @@ logits + APE at `pos % 128`), the per-channel softmax pooling of a completed 128
 block read through the state block table, the RMSNorm and fp32 RoPE of the pooled row at the
 block start's angle, and its commit into the compressed KV pool `cmp_kv`.
 
-Not here: the fixture's tables and RoPE rows (`layers.hca`), attention over the committed
-rows (`layers.hca`), anything distributed. Every stage is a module-level function; `compress`
-runs the stages it is given (`GOLDEN_STEPS`, bound at import, for the golden) or else looks
-them up at call time, so a test can inject a defect into one stage of the TP forward without
-reaching the golden.
+Not here: the fixture's tables and RoPE rows (`layers.fixtures.hca`), attention over the
+committed rows (`layers.hca`), anything distributed. Every step is a module-level function
+that `compress` composes.
 
 Order matters (hca.md §10.1): a request's pooling window is read through the state table
 *after* its own S writes and *before* any later request's writes. With the fixture's ring
@@ -22,7 +20,7 @@ are in; "write all, then pool all" gives different results.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
@@ -142,31 +140,6 @@ def commit(cmp_kv: torch.Tensor, cmp_slots: torch.Tensor, y: torch.Tensor) -> No
     flat.index_copy_(0, cmp_slots[keep], bf16(y[keep]))
 
 
-class Steps(NamedTuple):
-    """The stages `compress` runs, in call order."""
-
-    project: Callable
-    boundary_requests: Callable
-    write_state: Callable
-    window_state_rows: Callable
-    pool_window: Callable
-    normalize_pooled: Callable
-    rope_compressed: Callable
-    commit: Callable
-
-
-def live_steps() -> Steps:
-    """The stages as this module holds them at call time (a monkeypatched one included)."""
-    return Steps(
-        project, boundary_requests, write_state, window_state_rows, pool_window, normalize_pooled,
-        rope_compressed, commit,
-    )  # fmt: skip
-
-
-# The golden's own references, bound at import: a defect injected later never reaches it.
-GOLDEN_STEPS = live_steps()
-
-
 def compress(
     model: ModelConfig,
     x_normed: torch.Tensor,
@@ -182,19 +155,21 @@ def compress(
     position_ids: torch.Tensor,
     state_slot_mapping: torch.Tensor,
     cmp_slot_mapping: torch.Tensor,
-    steps: Steps | None = None,
+    *,
+    window_rows: Callable = window_state_rows,
+    rotate: Callable = rope_compressed,
 ) -> None:
     """One compressor step; updates `compress_state` and `cmp_kv` in place (hca.md §4.4).
 
     Tokens are request-major (`t = b*S + s`). `cmp_freqs_*` may carry capacity rows past the
-    batch; only the boundary requests' rows are read. `steps` defaults to the stages as the
-    module holds them now.
+    batch; only the boundary requests' rows are read. `window_rows` and `rotate` are the
+    steps that locate a pooling window and rotate the pooled row (an implementation under
+    test may swap one to model a kernel's variant).
     """
-    s = steps or live_steps()
     seq = model.decode_seq
     sb = model.c128_state_block_size
-    kv_proj, score_proj = s.project(x_normed, cmp_wkv, cmp_wgate, cmp_ape, position_ids)
-    requests, pool_pos, commit_s = s.boundary_requests(position_ids, seq)
+    kv_proj, score_proj = project(x_normed, cmp_wkv, cmp_wgate, cmp_ape, position_ids)
+    requests, pool_pos, commit_s = boundary_requests(position_ids, seq)
 
     # Sequential over boundary requests (see the module docstring): request b's pooling window
     # sees the rows of requests <= b only. Writing the segment of requests up to and including
@@ -204,17 +179,17 @@ def compress(
     written = 0
     for b, p in zip(requests.tolist(), pool_pos.tolist()):
         end = (b + 1) * seq
-        s.write_state(compress_state, state_slot_mapping[written:end], kv_proj[written:end], score_proj[written:end])
+        write_state(compress_state, state_slot_mapping[written:end], kv_proj[written:end], score_proj[written:end])
         written = end
-        pooled.append(s.pool_window(compress_state, s.window_state_rows(compress_state_block_table, b, p, sb)))
-    s.write_state(compress_state, state_slot_mapping[written:], kv_proj[written:], score_proj[written:])
+        pooled.append(pool_window(compress_state, window_rows(compress_state_block_table, b, p, sb)))
+    write_state(compress_state, state_slot_mapping[written:], kv_proj[written:], score_proj[written:])
     if not pooled:
         return
 
-    y = s.normalize_pooled(torch.stack(pooled), cmp_norm_w, model.rms_norm_eps)
-    y = s.rope_compressed(y, f32(cmp_freqs_cos[requests]), f32(cmp_freqs_sin[requests]), model)
+    y = normalize_pooled(torch.stack(pooled), cmp_norm_w, model.rms_norm_eps)
+    y = rotate(y, f32(cmp_freqs_cos[requests]), f32(cmp_freqs_sin[requests]), model)
     cmp_slots = cmp_slot_mapping.to(torch.int64).view(-1, seq)[requests, commit_s]
-    s.commit(cmp_kv, cmp_slots, y)
+    commit(cmp_kv, cmp_slots, y)
 
 
 __all__ = [
@@ -230,7 +205,4 @@ __all__ = [
     "rope_compressed",
     "commit",
     "compress",
-    "Steps",
-    "live_steps",
-    "GOLDEN_STEPS",
 ]

@@ -2,14 +2,17 @@
 
 `Case` is what every rank, the golden and the snapshot manifest agree on. Its checks are the
 TP-level rules shared by all layers (spec swa.md §1.4, csa.md §1.5, hca.md §2.3); each layer
-adds its own (start-position ceilings, pool capacity) in `Layer.validate`.
+adds its own (start-position ceilings, pool capacity) in `Layer.validate`. `MoECase` is its
+expert-parallel counterpart for the MoE layer (moe.md §1.2, §6, §7): EP size, layer id,
+active tokens and balanced routing instead of tp, local_t and start positions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .config import ConfigError, ModelConfig, round_up
+from .config import MOE_MAX_EP, ConfigError, ModelConfig, round_up
 
 # Token counts are whole 8-row tiles (the reference's BIAS_T_TILE / VALID_TOKEN_TILE).
 TOKEN_TILE = 8
@@ -64,7 +67,7 @@ class Case:
         if m.decode_batch % tp:
             raise ConfigError(f"tp={tp} must divide the decode batch {m.decode_batch} of model {m.name!r}")
         cap = self.capacity
-        step = TOKEN_TILE * self.seq // _gcd(TOKEN_TILE, self.seq)
+        step = row_block(m)
         if not (TOKEN_TILE <= t <= cap) or t % step:
             raise ConfigError(
                 f"local_t={t} must be a multiple of {step} (token tile {TOKEN_TILE} and decode seq {self.seq}) "
@@ -100,7 +103,82 @@ class Case:
                 )
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
+def row_block(model: ModelConfig) -> int:
+    """Tokens of one row block: whole requests in whole 8-row token tiles, lcm(8, decode_seq)."""
+    return math.lcm(TOKEN_TILE, model.decode_seq)
+
+
+@dataclass(frozen=True)
+class MoECase:
+    """One MoE decode step run expert-parallel on `ep` ranks (moe.md §1.2, §7).
+
+    `layer_id` < num_hash_layers routes by the hash table, above by biased top-k scores;
+    `num_tokens` active tokens per rank (None: all T); `balanced_routing` is the fixture's
+    exact-balance mode (§6). T, L, E and RECV_MAX are derived from the model and `ep`.
+    """
+
+    model: ModelConfig
+    ep: int
+    seed: int
+    layer_id: int = 0
+    num_tokens: int | None = None
+    balanced_routing: bool = False
+    layer: str = "moe"
+
+    @property
+    def tokens(self) -> int:
+        """T: tokens per rank, 128 whatever `ep` (pitfall 1)."""
+        return self.model.moe_tokens
+
+    @property
+    def local_experts(self) -> int:
+        return self.model.moe_local_experts
+
+    @property
+    def routed_experts(self) -> int:
+        """E = 16·P global routed experts (not the model's n_routed_experts)."""
+        return self.model.moe_routed_experts(self.ep)
+
+    @property
+    def recv_max(self) -> int:
+        return self.model.moe_recv_max(self.ep)
+
+    @property
+    def active(self) -> int:
+        """n: the active tokens of every rank."""
+        return self.tokens if self.num_tokens is None else self.num_tokens
+
+    @property
+    def hash_routing(self) -> bool:
+        return self.layer_id < self.model.num_hash_layers
+
+    def validate(self) -> None:
+        m, p, n, t, k = self.model, self.ep, self.active, self.tokens, self.model.num_experts_per_tok
+        name = f"model {m.name!r}"
+        rules = [
+            (1 <= p <= MOE_MAX_EP,
+             f"ep={p} must be in [1, {MOE_MAX_EP}] (E = 16·ep experts; score routing sorts at most 256)"),
+            (0 <= n <= t, f"num_tokens={n} must be in [0, {t}] (T = {t} tokens per rank)"),
+            (self.layer_id >= 0, f"layer_id={self.layer_id} must be >= 0"),
+            (m.scoring_func == "sqrtsoftplus", f"scoring_func={m.scoring_func!r} of {name}: only sqrtsoftplus is specified"),
+            (1 <= k <= self.local_experts,
+             f"num_experts_per_tok={k} of {name} must be in [1, {self.local_experts}] (distinct experts even at ep=1)"),
+            (m.hidden_size % 128 == 0 and m.moe_intermediate_size % 128 == 0,
+             f"hidden_size={m.hidden_size} and moe_intermediate_size={m.moe_intermediate_size} of {name} must be "
+             "multiples of 128 (the shared expert's 128x128 fp8 fixture blocks; the routed ones need 32)"),
+        ]
+        if self.balanced_routing:
+            rules += [
+                (self.hash_routing,
+                 f"balanced routing needs a hash layer: layer_id={self.layer_id} < num_hash_layers={m.num_hash_layers}"),
+                ((p * n * k) % self.routed_experts == 0,
+                 f"balanced routing needs ep·num_tokens·{k} to be a multiple of E={self.routed_experts} "
+                 f"(num_tokens={n} must be a multiple of 8)"),
+                ((p - 1) * n + t <= m.vocab_size,
+                 f"balanced routing gives rank r token ids r·num_tokens + t: (ep-1)·{n} + {t} must be <= "
+                 f"vocab_size={m.vocab_size} of {name}"),
+            ]
+        for ok, rule in rules:
+            if not ok:
+                raise ConfigError(rule)
+

@@ -1,10 +1,11 @@
-"""Model presets and deployment constants of the DeepSeek-V4-Flash decode attention layers.
+"""Model presets and deployment constants of the DeepSeek-V4-Flash decode layers.
 
-Owns the frozen `ModelConfig` (spec components.md §1, swa.md §1, csa.md §1, hca.md §2): the
-attention-relevant model fields, the deployment/paging constants the fixtures size their
-pools with, the derived sizes (properties, never overridable) and the structural constraints
-that hold for every layer (checked in `__post_init__`). TP- and run-dependent checks (tp,
-local_t, start positions) live with the run description in `layers.case`.
+Owns the frozen `ModelConfig` (spec components.md §1, swa.md §1, csa.md §1, hca.md §2,
+moe.md §1): the attention and MoE model fields, the deployment/paging constants the fixtures
+size their pools with, the derived sizes (properties, never overridable), the expert-parallel
+constants of the MoE layer (moe.md §1.2) and the structural constraints that hold for every
+layer (checked in `__post_init__`). TP/EP- and run-dependent checks (tp, ep, local_t, start
+positions, num_tokens) live with the run descriptions in `layers.contract.case`.
 
 Importable without Hydra: the launcher registers these fields as its config schema.
 """
@@ -17,6 +18,18 @@ from dataclasses import dataclass
 
 class ConfigError(ValueError):
     """An invalid configuration, reported to the user as one line before anything runs."""
+
+
+# -- expert-parallel constants of the MoE layer (moe.md §1.2) ---------------------------------
+# Tokens per EP rank: the reference computes MOE_TOKENS = DECODE_TOKENS·DP // EP once, at
+# config import, with its module constant EP = 16 (512·4/16), and never re-derives it when
+# `--ep` changes it: T is 128 for every P (pitfall 1), and for every preset.
+MOE_TOKENS = 128
+# Routed experts held by one EP rank: `--ep P` sets n_routed_experts = 256 // 16 · P, so every
+# rank keeps 16 (global expert eid lives on rank eid // 16 as local expert eid % 16).
+MOE_LOCAL_EXPERTS = 16
+# The device's score-routing sort pads a row of scores to 256 (SCORE_PAD): E = 16·P <= 256.
+MOE_MAX_EP = 16
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,17 @@ class ModelConfig:
     # Context ceiling of the SWA and HCA layers (1 Mi tokens at HEAD; CSA uses
     # max_position_embeddings).
     long_context_max_seq_len: int = 1_048_576
+    # MoE feed-forward (moe.md §1.1). n_routed_experts is the model's; an EP run routes over
+    # `moe_routed_experts(ep)` = 16·P experts instead (§1.2).
+    vocab_size: int = 129280
+    moe_intermediate_size: int = 2048
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    num_hash_layers: int = 3
 
     # -- derived sizes -------------------------------------------------------------------
     @property
@@ -98,6 +122,25 @@ class ModelConfig:
     @property
     def decode_tokens(self) -> int:
         return self.decode_batch * self.decode_seq
+
+    # -- expert parallel (moe.md §1.2): derived, never overridable ------------------------------
+    @property
+    def moe_tokens(self) -> int:
+        """Tokens per EP rank (T): 128 for every P and preset."""
+        return MOE_TOKENS
+
+    @property
+    def moe_local_experts(self) -> int:
+        """Routed experts per EP rank (L)."""
+        return MOE_LOCAL_EXPERTS
+
+    def moe_routed_experts(self, ep: int) -> int:
+        """Global routed experts of an EP run of P ranks: E = 16·P (not n_routed_experts)."""
+        return MOE_LOCAL_EXPERTS * ep
+
+    def moe_recv_max(self, ep: int) -> int:
+        """Receive rows per local expert (RECV_MAX = P·T): every source may send it T rows."""
+        return ep * MOE_TOKENS
 
     def __post_init__(self) -> None:
         rules = [
@@ -146,6 +189,7 @@ DEMO = FLASH.replace(
     original_max_position_embeddings=0,
 )
 
+# PRO's MoE fields are FLASH's: moe.md specifies the Flash MoE only.
 PRO = FLASH.replace(
     name="pro",
     hidden_size=7168,
@@ -166,13 +210,16 @@ SMALL = FLASH.replace(
     o_lora_rank=256,
     index_n_heads=16,
     index_topk=128,
+    moe_intermediate_size=256,
 )
 
-# A 2-core CPU preset that keeps every structural property of the three layers: eight output
+# A 2-core CPU preset that keeps every structural property of the four layers: eight output
 # groups of two heads (tp up to 8), the full 128-token window and 32-row pages, the ratio-4
 # and ratio-128 compressors with their state page sizes, the 8192 long-context start (block
 # tables wrap), int8 indexer heads, and a top-k smaller than the window so sparse attention
-# pads its key tiles.
+# pads its key tiles. MoE: T = 128 tokens and 16 experts per rank, top-6, hash layers below
+# 3 and score layers after (all FLASH's), with an expert width of one 128 x 128 fixture
+# block and a vocab just large enough for balanced routing at ep = 16 (16·128 token ids).
 TINY = FLASH.replace(
     name="tiny",
     hidden_size=256,
@@ -186,6 +233,8 @@ TINY = FLASH.replace(
     index_head_dim=32,
     index_topk=16,
     decode_batch=16,
+    vocab_size=2048,
+    moe_intermediate_size=128,
 )
 
 PRESETS: dict[str, ModelConfig] = {m.name: m for m in (FLASH, DEMO, PRO, SMALL, TINY)}
@@ -199,4 +248,4 @@ def round_up(a: int, b: int) -> int:
     return ceil_div(a, b) * b
 
 
-__all__ = ["ConfigError", "ModelConfig", "PRESETS", "FLASH", "DEMO", "PRO", "SMALL", "TINY", "ceil_div", "round_up"]
+__all__ = ["ConfigError", "ModelConfig", "PRESETS", "MOE_TOKENS", "MOE_LOCAL_EXPERTS", "MOE_MAX_EP", "FLASH", "DEMO", "PRO", "SMALL", "TINY", "ceil_div", "round_up"]

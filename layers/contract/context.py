@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,13 +15,25 @@ from .config import ModelConfig
 if TYPE_CHECKING:  # torch.distributed is only needed by the TP code paths.
     from torch.distributed import ProcessGroup
 
+    from .stage import Stage
+
+# Runs one stage: `observe(stage, run)` calls `run()` and returns its outputs (and may record
+# or time them).
+StageObserver = Callable[["Stage", Callable[[], dict]], dict]
+
 
 @dataclass
 class RankContext:
+    """`case`: the run's case; `rank`: this rank in its TP group; `group`: the TP group's
+    process group (None when tp == 1 and none exists); `device`: where the tensors live.
+    `observe`: set by the harness while it records or times a stage-based implementation's
+    stages (bisect, benchmarks); None otherwise."""
+
     case: Case
     rank: int
     device: torch.device
-    group: "ProcessGroup | None" = None  # None only when tp == 1 and no process group exists
+    group: "ProcessGroup | None" = None
+    observe: StageObserver | None = None
 
     @property
     def model(self) -> ModelConfig:
@@ -29,5 +43,10 @@ class RankContext:
     def tp(self) -> int:
         return self.case.tp
 
+    def single_device(self) -> "RankContext":
+        """This rank alone, as the golden runs it: tp = 1, no process group, so every
+        collective is the identity."""
+        return dataclasses.replace(self, case=dataclasses.replace(self.case, tp=1), rank=0, group=None)
 
-__all__ = ["RankContext"]
+
+__all__ = ["RankContext", "StageObserver"]

@@ -19,7 +19,6 @@ import torch
 
 from .case import Case
 from .checks import Check
-from .config import ModelConfig
 from .context import RankContext
 from .tensors import Kind, TensorSpec
 
@@ -32,7 +31,8 @@ class Layer(abc.ABC):
 
     @abc.abstractmethod
     def validate(self, case: Case) -> None:
-        """Raise ConfigError for a case this layer cannot run (before any process starts)."""
+        """Raise ConfigError for a case this layer cannot run (before any process starts).
+        The case has passed `Case.validate` (the TP-level rules every layer shares)."""
 
     @abc.abstractmethod
     def tensor_specs(self, case: Case) -> dict[str, TensorSpec]:
@@ -52,8 +52,9 @@ class Layer(abc.ABC):
         return self.rank_inputs(case, rank), self.full_o_weights(case)
 
     @abc.abstractmethod
-    def golden(self, model: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The TP1 layer on one rank's tensors with full O weights; in-outs updated in place."""
+    def golden(self, case: Case, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The single-device layer on one rank's tensors of `case` with full O weights (the
+        reference's TP1 golden on that rank's shard); in-outs updated in place."""
 
     @abc.abstractmethod
     def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

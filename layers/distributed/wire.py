@@ -28,6 +28,37 @@ def all_to_all(send: torch.Tensor, group, world: int) -> torch.Tensor:
     return recv.view(send.dtype).reshape(send.shape)
 
 
+def all_to_all_v(send: torch.Tensor, send_rows: list[int], recv_rows: list[int], group, world: int) -> torch.Tensor:
+    """All-to-all with per-rank row counts (all-to-all-v) on `send [S, ...]`.
+
+    Rows `[Σ send_rows[:d], +send_rows[d])` go to rank d; the result `[Σ recv_rows, ...]`
+    holds rank s's rows at `[Σ recv_rows[:s], +recv_rows[s])`. `recv_rows[s]` must be what
+    rank s sends here (exchange the counts first). Zero rows to or from any rank, or in
+    total, are fine.
+    """
+    if len(send_rows) != world or len(recv_rows) != world or sum(send_rows) != send.shape[0]:
+        raise ValueError(f"all_to_all_v: {world} ranks, send rows {send_rows} for a send buffer of "
+                         f"{send.shape[0]} rows, recv rows {recv_rows}")
+    if world == 1:
+        return send
+    import torch.distributed as dist
+
+    row_shape = send.shape[1:]
+    row_bytes = _row_bytes(send)
+    wire = _bytes(send).reshape(send.shape[0], row_bytes)
+    recv = torch.empty((sum(recv_rows), row_bytes), dtype=torch.uint8, device=send.device)
+    dist.all_to_all_single(recv, wire, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows),
+                           group=group)
+    return recv.view(send.dtype).reshape(sum(recv_rows), *row_shape)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    n = t.element_size()
+    for size in t.shape[1:]:
+        n *= size
+    return n
+
+
 def all_gather(t: torch.Tensor, group, world: int) -> torch.Tensor:
     """Every rank's `t`, stacked `[P, ...]` on `t`'s device (rank-major)."""
     if world == 1:
@@ -76,4 +107,4 @@ def _global(group, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
-__all__ = ["all_to_all", "all_gather", "gather"]
+__all__ = ["all_to_all", "all_to_all_v", "all_gather", "gather"]

@@ -1,0 +1,305 @@
+"""The MoE decode layer run expert-parallel: stages, golden and EP forward (spec moe.md).
+
+Owns the layer's tensor inventory (§2, one rank), its stages in the spec's order (§3) —
+hc_pre, gate, shared_expert, dispatch (count exchange + int8 all-to-all-v), routed_experts,
+combine (all-to-all-v with swapped splits), reduce, hc_post — each a small function
+`stage(ctx, values) -> {written tensors}` over the spec's tensor names with the tensors it
+reads and writes declared in `STAGES`; the EP forward of one rank (`moe_forward`, the stages
+in order); and the golden of §4, which never runs the collectives under test.
+
+The forward calls the math and the collectives through their module attributes (tests inject
+defects by monkeypatching them); the golden holds its own references, taken at import.
+
+The golden, per rank with bounded memory (§4, §13.4). Routed weights are the bulk of a rank
+(3 × 128 MiB int8 at flash) and are drawn by their owner only, so the routed rows are
+computed where the experts live:
+
+1. `golden_gates` (every rank): hc_pre and the gate of *every* source rank, from the
+   replicated weights and each source's own x_hc and input_ids (rebuilt by key, or sliced
+   from a snapshot). Cheap (the gate is a [T, D] × [D, E] GEMM) and it makes every rank know
+   every route;
+2. `golden_recv_y` (rank d): the §4.4 replay of the routes d's experts receive and the routed
+   experts on them, one GEMM chain per expert over all its rows in the golden's order —
+   the batching of the reference, hence its bits (pitfall 10);
+3. `gather_golden` (the harness's trusted gather, not under test) brings every rank's
+   recv_y to rank 0, which runs `golden_x_next`: per source, the shared expert, the combine
+   replay, the reduce and hc_post → the stacked x_next [P, T, 4, D].
+
+`golden_moe` is the same three steps in one process over stacked inputs (snapshots, tests).
+
+Why the routed rows are batched per expert, in fp32 with dequantized weights (measured on
+the 2-core CPU, MKL AVX2 strict, against the reference snapshot moe-ep2-small): this golden
+reproduces its x_next bit for bit. fp32 GEMM rows are not independent of the batch: a
+GEMM of one or two rows takes another kernel (43 of 48 rows of a flash expert change bits
+when computed one by one), so a golden that computes each route alone, on its source, is
+not the reference's. The device's exact int8 × int8 GEMMs (§5) would make every row
+batch-independent, but they are not the golden's arithmetic: x_next moves by up to 8e-5
+(never bitwise) and, with K = D = 4096 past fp32's exact range, they run in fp64, 3× slower
+per flash expert (0.9 s vs 0.3 s). Batching at the experts' owner gives the reference's
+bits and keeps every weight on one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .components import hc
+from .components import moe as moe_math
+from .components import moe_routing as routing
+from .contract.case import MoECase
+from .contract.checks import RelDiffCheck
+from .contract.context import RankContext
+from .contract.tensors import Kind, TensorSpec
+from .distributed import ep, wire
+
+Values = Mapping[str, torch.Tensor]
+# A source rank's own inputs (x_hc, input_ids) by rank: a fixture's keyed draw or a snapshot slice.
+Sources = Callable[[int], Mapping[str, torch.Tensor]]
+
+ROUTED = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
+SHARED = ("shared_w1", "shared_w1_scale", "shared_w3", "shared_w3_scale", "shared_w2", "shared_w2_scale")
+
+
+def tensor_specs(case: MoECase) -> dict[str, TensorSpec]:
+    """Every tensor of one rank, in §2's order (the stacked snapshot adds a leading [P])."""
+    m, t, i = case.model, case.tokens, Kind.INPUT
+    d, im, l, e, k = m.hidden_size, m.moe_intermediate_size, case.local_experts, case.routed_experts, m.num_experts_per_tok
+    f32, i8 = torch.float32, torch.int8
+    return {
+        "x_hc": TensorSpec((t, m.hc_mult, d), f32, i),
+        "hc_ffn_fn": TensorSpec((m.mix_hc, m.hc_dim), f32, i),
+        "hc_ffn_scale": TensorSpec((3,), f32, i),
+        "hc_ffn_base": TensorSpec((m.mix_hc,), f32, i),
+        "norm_w": TensorSpec((d,), torch.bfloat16, i),
+        "gate_w": TensorSpec((e, d), f32, i),
+        "gate_bias": TensorSpec((e,), f32, i),
+        "tid2eid": TensorSpec((m.vocab_size, k), torch.int32, i),
+        "input_ids": TensorSpec((t,), torch.int64, i),
+        "routed_w1": TensorSpec((l, im, d), i8, i),
+        "routed_w3": TensorSpec((l, im, d), i8, i),
+        "routed_w1_scale": TensorSpec((l, im), f32, i),
+        "routed_w3_scale": TensorSpec((l, im), f32, i),
+        "routed_w2": TensorSpec((l, d, im), i8, i),
+        "routed_w2_scale": TensorSpec((l, d), f32, i),
+        "shared_w1": TensorSpec((im, d), i8, i),
+        "shared_w3": TensorSpec((im, d), i8, i),
+        "shared_w1_scale": TensorSpec((im,), f32, i),
+        "shared_w3_scale": TensorSpec((im,), f32, i),
+        "shared_w2": TensorSpec((d, im), i8, i),
+        "shared_w2_scale": TensorSpec((d,), f32, i),
+        "x_next": TensorSpec((t, m.hc_mult, d), f32, Kind.OUTPUT),
+        "layer_id": TensorSpec((), torch.int32, i),
+        "num_tokens": TensorSpec((), torch.int32, i),
+    }
+
+
+def checks(case: MoECase) -> tuple[RelDiffCheck, ...]:
+    """§8: x_next alone, `ratio_reldiff(3e-3, 0.05)` over all T rows of every rank (no mask:
+    an inactive token's x_next is its residual mix) with one pooled budget, no single-point cap."""
+    return (RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf")),)
+
+
+# -- the stages (§3), in order ---------------------------------------------------------------------
+def hc_pre(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§4.1: x_hc → x_mixed [T, D] bf16, post [T, 4], comb [T, 16] fp32 (all T rows)."""
+    x_mixed, post, comb = hc.hc_pre(v["x_hc"], v["hc_ffn_fn"], v["hc_ffn_scale"], v["hc_ffn_base"], ctx.model)
+    return {"x_mixed": x_mixed, "post": post, "comb": comb}
+
+
+def gate(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§4.2: x_mixed → x_norm_i8, x_norm_scale, indices (global expert ids), weights."""
+    x_norm_i8, x_norm_scale, indices, weights = moe_math.gate(
+        v["x_mixed"], v["norm_w"], v["gate_w"], v["gate_bias"], v["tid2eid"], v["input_ids"],
+        int(v["layer_id"]), int(v["num_tokens"]), ctx.model,
+    )  # fmt: skip
+    return {"x_norm_i8": x_norm_i8, "x_norm_scale": x_norm_scale, "indices": indices, "weights": weights}
+
+
+def shared_expert(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§4.3: sh [T, D] bf16 on every row (no communication)."""
+    return {"sh": moe_math.shared_expert(v["x_norm_i8"], v["x_norm_scale"], *(v[n] for n in SHARED), ctx.model)}
+
+
+def dispatch(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§3.1: the send layout, the count exchange, then the int8 all-to-all-v of every route."""
+    case = ctx.case
+    send_meta, send_route = routing.send_layout(v["indices"], int(v["num_tokens"]), case.ep, case.local_experts)
+    recv_meta = ep.count_exchange(ctx, send_meta)
+    recv_x, recv_aux, recv_route = ep.dispatch(
+        ctx, v["x_norm_i8"], v["x_norm_scale"], v["weights"], send_meta, send_route, recv_meta
+    )
+    return {"send_meta": send_meta, "send_route": send_route, "recv_meta": recv_meta,
+            "recv_x": recv_x, "recv_aux": recv_aux, "recv_route": recv_route}  # fmt: skip
+
+
+def routed_experts(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§4.5: the 16 local experts on their received rows → recv_y [R, D] bf16 (× routing weight)."""
+    recv_count = v["recv_meta"].sum(dim=0)
+    return {"recv_y": moe_math.routed_experts(recv_count, v["recv_x"], v["recv_aux"], *(v[n] for n in ROUTED), ctx.model)}
+
+
+def combine(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§3.2: recv_y back to the routes' sources (swapped splits) → routed_y_buf [T·K, D] bf16."""
+    k = ctx.model.num_experts_per_tok
+    return {"routed_y_buf": ep.combine(ctx, v["recv_y"], v["recv_meta"], v["send_meta"], v["send_route"],
+                                       ctx.case.tokens, k)}  # fmt: skip
+
+
+def reduce(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§3.3: ffn_out [T, D] bf16 = sh + the K routed rows of each active token, in k order."""
+    return {"ffn_out": moe_math.reduce(v["sh"], v["routed_y_buf"], int(v["num_tokens"]))}
+
+
+def hc_post(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§4.7: x_next [T, 4, D] fp32 from ffn_out and the residual streams x_hc."""
+    return {"x_next": hc.hc_post(v["ffn_out"], v["x_hc"], v["post"], v["comb"])}
+
+
+@dataclass(frozen=True)
+class MoEStage:
+    name: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    run: Callable[[RankContext, Values], dict[str, torch.Tensor]]
+    collective: bool = False  # moves data between ranks (its golden is a replay, never a collective)
+
+
+STAGES: tuple[MoEStage, ...] = (
+    MoEStage("hc_pre", ("x_hc", "hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base"), ("x_mixed", "post", "comb"), hc_pre),
+    MoEStage("gate", ("x_mixed", "norm_w", "gate_w", "gate_bias", "tid2eid", "input_ids", "layer_id", "num_tokens"),
+             ("x_norm_i8", "x_norm_scale", "indices", "weights"), gate),
+    MoEStage("shared_expert", ("x_norm_i8", "x_norm_scale", *SHARED), ("sh",), shared_expert),
+    MoEStage("dispatch", ("x_norm_i8", "x_norm_scale", "indices", "weights", "num_tokens"),
+             ("send_meta", "send_route", "recv_meta", "recv_x", "recv_aux", "recv_route"), dispatch, collective=True),
+    MoEStage("routed_experts", ("recv_meta", "recv_x", "recv_aux", *ROUTED), ("recv_y",), routed_experts),
+    MoEStage("combine", ("recv_y", "recv_meta", "send_meta", "send_route"), ("routed_y_buf",), combine, collective=True),
+    MoEStage("reduce", ("sh", "routed_y_buf", "num_tokens"), ("ffn_out",), reduce),
+    MoEStage("hc_post", ("ffn_out", "x_hc", "post", "comb"), ("x_next",), hc_post),
+)  # fmt: skip
+
+
+def run_stages(ctx: RankContext, tensors: Values) -> dict[str, torch.Tensor]:
+    """The stages in order on one rank: the rank's tensors plus every stage's outputs."""
+    values = dict(tensors)
+    for stage in STAGES:
+        values.update(stage.run(ctx, values))
+    return values
+
+
+def moe_forward(ctx: RankContext, tensors: Values) -> dict[str, torch.Tensor]:
+    """The EP forward of one rank (§3): the stages in order. Returns `{"x_next"}`.
+
+    At ep = 1 the collectives are identities and the result is the golden's bit for bit; at
+    any ep it is too, as every rank batches its experts' rows in the golden's order.
+    """
+    return {"x_next": run_stages(ctx, tensors)["x_next"]}
+
+
+# -- the golden (§4) ---------------------------------------------------------------------------
+# The golden's own references to the math (see the module docstring).
+_G_HC_PRE, _G_HC_POST = hc.hc_pre, hc.hc_post
+_G_GATE, _G_SHARED, _G_ROUTED, _G_REDUCE = moe_math.gate, moe_math.shared_expert, moe_math.routed_experts, moe_math.reduce
+_G_REPLAY_DISPATCH, _G_REPLAY_COMBINE = routing.replay_dispatch, routing.replay_combine
+
+
+def golden_gates(case: MoECase, tensors: Values, sources: Sources) -> dict[str, torch.Tensor]:
+    """§4.1–4.2 for every source rank, stacked [P, ...]: x_norm_i8, x_norm_scale, indices,
+    weights, post, comb. `tensors` supplies the replicated weights and the scalars."""
+    m, layer_id, n = case.model, int(tensors["layer_id"]), int(tensors["num_tokens"])
+    parts: dict[str, list[torch.Tensor]] = {}
+    for s in range(case.ep):
+        src = sources(s)
+        x_mixed, post, comb = _G_HC_PRE(src["x_hc"], tensors["hc_ffn_fn"], tensors["hc_ffn_scale"], tensors["hc_ffn_base"], m)
+        x_norm_i8, x_norm_scale, indices, weights = _G_GATE(
+            x_mixed, tensors["norm_w"], tensors["gate_w"], tensors["gate_bias"], tensors["tid2eid"], src["input_ids"],
+            layer_id, n, m,
+        )  # fmt: skip
+        for name, x in (("x_norm_i8", x_norm_i8), ("x_norm_scale", x_norm_scale), ("indices", indices),
+                        ("weights", weights), ("post", post), ("comb", comb)):  # fmt: skip
+            parts.setdefault(name, []).append(x)
+    return {name: torch.stack(xs) for name, xs in parts.items()}
+
+
+def golden_dispatch(case: MoECase, dst: int, gates: Values, num_tokens: int) -> dict[str, torch.Tensor]:
+    """§4.4 on rank `dst`, from every source's gate outputs (`golden_gates`): the dispatch
+    stage's outputs recv_meta [P, L], recv_x [R, D] int8, recv_aux [R, 2] fp32 and recv_route
+    [R] int32 (expert-major, then source, then ρ), plus recv_src [R] (each row's source)."""
+    k = case.model.num_experts_per_tok
+    recv_meta, route_src, route_id = _G_REPLAY_DISPATCH(dst, gates["indices"], num_tokens, case.local_experts)
+    tok = route_id // k
+    aux = torch.stack((gates["x_norm_scale"][route_src, tok, 0], gates["weights"][route_src, tok, route_id % k]), dim=1)
+    return {"recv_meta": recv_meta, "recv_x": gates["x_norm_i8"][route_src, tok], "recv_aux": aux,
+            "recv_route": route_id.to(torch.int32), "recv_src": route_src}  # fmt: skip
+
+
+def golden_recv_y(case: MoECase, dst: int, gates: Values, routed: Values, num_tokens: int) -> torch.Tensor:
+    """§4.4–4.5 on rank `dst`: the routed outputs of every route its experts receive, recv_y
+    [R_d, D] bf16 in `golden_dispatch`'s order. `routed` holds dst's routed_w* [L, ...]."""
+    r = golden_dispatch(case, dst, gates, num_tokens)
+    return _G_ROUTED(r["recv_meta"].sum(dim=0), r["recv_x"], r["recv_aux"], *(routed[n] for n in ROUTED), case.model)
+
+
+def golden_x_next(
+    case: MoECase, tensors: Values, sources: Sources, gates: Values, recv_ys: list[torch.Tensor]
+) -> torch.Tensor:
+    """§4.3, §4.6–4.7 for every source: the stacked golden x_next [P, T, 4, D] fp32.
+
+    `recv_ys[d]` is `golden_recv_y(case, d, …)` (rows past its R_d, e.g. gather padding, are
+    ignored); `tensors` supplies the shared expert and the scalars."""
+    m, n, p = case.model, int(tensors["num_tokens"]), case.ep
+    replays = [_G_REPLAY_DISPATCH(d, gates["indices"], n, case.local_experts) for d in range(p)]
+    x_next = torch.empty(p, case.tokens, m.hc_mult, m.hidden_size, dtype=torch.float32)
+    for s in range(p):
+        sh = _G_SHARED(gates["x_norm_i8"][s], gates["x_norm_scale"][s], *(tensors[n] for n in SHARED), m)
+        routed_y_buf = _G_REPLAY_COMBINE(s, case.tokens, m.num_experts_per_tok, replays, recv_ys)
+        ffn_out = _G_REDUCE(sh, routed_y_buf, n)
+        x_next[s] = _G_HC_POST(ffn_out, sources(s)["x_hc"], gates["post"][s], gates["comb"][s])
+    return x_next
+
+
+def golden_moe(case: MoECase, stacked: Values) -> torch.Tensor:
+    """The whole §4 golden in one process over rank-stacked inputs (a snapshot's `in/`):
+    x_next [P, T, 4, D] fp32. Replicated tensors are read from rank 0's slice; scalars are 0-dim."""
+    rank0 = {n: (x if x.dim() == 0 else x[0]) for n, x in stacked.items()}
+    sources = lambda s: {"x_hc": stacked["x_hc"][s], "input_ids": stacked["input_ids"][s]}  # noqa: E731
+    gates = golden_gates(case, rank0, sources)
+    n = int(rank0["num_tokens"])
+    recv_ys = [golden_recv_y(case, d, gates, {w: stacked[w][d] for w in ROUTED}, n) for d in range(case.ep)]
+    return golden_x_next(case, rank0, sources, gates, recv_ys)
+
+
+def recv_rows(case: MoECase, gates: Values, num_tokens: int) -> list[int]:
+    """R_d, the routes every destination d receives (known to every rank from the gates)."""
+    n = moe_math.active_tokens(num_tokens, case.tokens)
+    eid = gates["indices"][:, :n].reshape(-1).long()
+    return torch.bincount(eid // case.local_experts, minlength=case.ep).tolist()
+
+
+def gather_golden(ctx: RankContext, tensors: Values, sources: Sources, gates: Values, recv_y: torch.Tensor) -> torch.Tensor | None:
+    """Step 3 of the per-rank golden: the harness's gather of every rank's recv_y to rank 0
+    (padded to the largest R_d, which every rank knows from the gates), then `golden_x_next`.
+    Returns the stacked x_next on rank 0, None elsewhere."""
+    case = ctx.case
+    rows = recv_rows(case, gates, int(tensors["num_tokens"]))
+    if max(rows) == 0:  # no route anywhere (num_tokens = 0): nothing to gather
+        if ctx.rank != 0:
+            return None
+        every = torch.empty(case.ep, 0, recv_y.shape[1], dtype=recv_y.dtype)
+    else:
+        padded = torch.zeros(max(rows), recv_y.shape[1], dtype=recv_y.dtype)
+        padded[: recv_y.shape[0]] = recv_y
+        every = wire.gather(padded, ctx.rank, case.ep, ctx.group)
+        del padded
+        if every is None:
+            return None
+    return golden_x_next(case, tensors, sources, gates, [every[d, : rows[d]] for d in range(case.ep)])
+
+
+__all__ = [
+    "tensor_specs", "checks", "STAGES", "MoEStage", "run_stages", "moe_forward",
+    "hc_pre", "gate", "shared_expert", "dispatch", "routed_experts", "combine", "reduce", "hc_post",
+    "golden_gates", "golden_dispatch", "golden_recv_y", "golden_x_next", "golden_moe", "recv_rows", "gather_golden",
+]  # fmt: skip
