@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_module
 
-from launcher.cli import EXIT_ERROR, preflight
+from launcher.report.result import EXIT_ERROR
+from launcher.run.preflight import preflight
 from layers.contract.config import ConfigError
 
 from .conftest import run_cli

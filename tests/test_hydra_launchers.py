@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from launcher.cli import EXIT_ERROR
+from launcher.report.result import EXIT_ERROR
 
 from .conftest import REPO
 from .test_sweeps import multirun

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.comparators import build_comparator
+from launcher.verify import build_comparator
 from layers import moe
 from layers.components import moe_routing as routing
 from layers.contract.case import MoECase

@@ -39,7 +39,8 @@ from layers.contract.stage import Stage
 from layers.distributed import wire
 from layers.stages import layer_stages
 
-from .comparators import build_comparator, initial_key
+from launcher.verify.base import initial_key
+from launcher.verify.build import build_comparator
 
 OUTPUTS_STAGE = "outputs"
 

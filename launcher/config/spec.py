@@ -1,96 +1,43 @@
-"""Hydra schemas of the run config and its conversion to the launcher's `RunSpec`.
+"""The one reader of the run config: a composed Hydra config -> a validated, frozen `RunSpec`.
 
-The model group's schema mirrors `layers.contract.config.ModelConfig` field for field (a frozen
-dataclass cannot be a Hydra node, and derived sizes are properties, so they can never be
-overridden); typos and wrong types fail at composition. `run_spec` is the one place where an
-OmegaConf tree becomes plain dataclasses.
+`run_spec` reads every key once and checks each value (naming the key, the value and the
+rule) into a RunSpec and its `Case`; `validated_spec` adds the local_t a replayed snapshot
+fixes and validates the case once: its TP rules (`Case.validate`), then its layer's
+(`Layer.validate`). What only the machine can tell (devices, ports, the snapshot's files, an
+importable implementation) is checked next by `launcher.run.preflight`. `config_case` is the same config's case for a run refused before a
+RunSpec exists, each key read on its own.
+
+RunSpec is plain dataclasses, picklable, no OmegaConf: it is what every rank receives.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from layers.contract.case import TOKEN_TILE, Case
-from layers.registry import get_scope
 from layers.contract.config import ConfigError, ModelConfig
+from layers.contract.layer import Layer
+from layers.registry import get_scope, validated
 
-from .faults import Fault
-from .faults import check_unset as check_fault_unset
+from launcher.config.faults import Fault
+from launcher.config.faults import check_unset as check_fault_unset
+from launcher.config.resolvers import row_block
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_IMPL = "layers.tp.TorchTP"
 
-_hints = typing.get_type_hints(ModelConfig)
-ModelSchema = dataclasses.make_dataclass(
-    "ModelSchema", [(f.name, _hints[f.name], field(default=MISSING)) for f in dataclasses.fields(ModelConfig)]
-)
-
-
-@dataclass
-class LayerSchema:
-    name: str = MISSING
-
-
-@dataclass
-class ReportSchema:
-    plots: bool = False  # PNG heat maps of where a failing tensor's errors are, next to result.json
-
-
-@dataclass
-class FaultSchema:
-    kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.faults)
-    rank: int = 0
-    stage: str = "layer"  # fixture | golden | save | layer | gather | compare
-
-
-@dataclass
-class RunSchema:
-    layer: LayerSchema = MISSING
-    model: Any = MISSING
-    tp: int = 4
-    local_t: Optional[int] = None
-    seed: int = 20260819
-    start_pos: Any = None
-    impl: Any = None
-    backend: str = "auto"
-    timeout_s: Optional[float] = None
-    start_method: str = "forkserver"
-    threads_per_rank: Optional[int] = None
-    fail_fast: bool = False  # in a multirun: skip every job after the first that did not pass
-    report: ReportSchema = field(default_factory=ReportSchema)
-    golden_data: Optional[str] = None
-    save_data: Optional[str] = None
-    recompute_golden: bool = False
-    golden_cache: Optional[str] = None
-    fault: FaultSchema = field(default_factory=FaultSchema)
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: Optional[int] = None
-    nproc_per_node: Optional[int] = None
-    scope: str = "full"
-    bisect: bool = False
-
-
-def register() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunSchema)
-    cs.store(group="layer", name="layer_schema", node=LayerSchema)
-    cs.store(group="model", name="model_schema", node=ModelSchema)
-
 
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a rank needs to run its part of one case (picklable, no OmegaConf)."""
+    """Everything a rank needs to run its part of one case, and how the launcher reports it
+    (picklable, no OmegaConf)."""
 
     case: Case
     impl: dict  # a Hydra instantiate spec: {"_target_": ..., **kwargs}
@@ -110,6 +57,12 @@ class RunSpec:
     master_port: int = 0  # 0 (single node): the store binds a free port
     nproc_per_node: int = 0  # ranks on this node; 0 means tp / nnodes
     bisect: bool = False  # after a failing full run, locate the first divergent stage and rank
+    report_plots: bool = False  # PNG heat maps of a failing tensor's errors (drawn by the launcher)
+
+    @property
+    def layer(self) -> Layer:
+        """The layer (or focused scope) the case runs, this process's own instance."""
+        return get_scope(self.case.layer, self.case.scope)
 
     @property
     def local_ranks(self) -> int:
@@ -131,6 +84,21 @@ class RunSpec:
             return self.threads_per_rank
         return max(1, (os.cpu_count() or 1) // self.local_ranks)
 
+    def case_entry(self) -> dict:
+        """result.json's `case`: what ran, as the config names it."""
+        c = self.case
+        return {
+            "layer": c.layer,
+            "scope": c.scope,
+            "model": c.model.name,
+            "tp": c.tp,
+            "local_t": c.local_t,
+            "seed": c.seed,
+            "start_pos": list(c.start_pos) if isinstance(c.start_pos, tuple) else c.start_pos,
+            "backend": self.backend,
+            "impl": self.impl.get("_target_"),
+        }
+
 
 def _start_pos(value: Any) -> int | tuple[int, ...] | None:
     if value is None:
@@ -146,7 +114,10 @@ def _start_pos(value: Any) -> int | tuple[int, ...] | None:
 
 
 def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
-    """Turn the composed config into a RunSpec; raise ConfigError on anything invalid."""
+    """Every key of a composed config read once and its value checked, into a RunSpec; raises
+    ConfigError naming the key, its value and the rule. The case it holds is not validated yet:
+    `validated_spec` does that, once.
+    """
     model_fields = OmegaConf.to_container(cfg.model, resolve=True)
     model = ModelConfig(**model_fields)
     tp = int(cfg.tp)
@@ -205,13 +176,30 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         golden_cache=_path(cfg.golden_cache),
         fault=fault,
         bisect=bool(cfg.bisect),
+        report_plots=bool(cfg.report.plots),
         **_nodes(cfg, tp),
     )
 
 
+def validated_spec(cfg: DictConfig, output_dir: str, *,
+                   snapshot_local_t: Callable[[str, int | None], int | None]) -> RunSpec:
+    """The one reader's whole answer: `run_spec`, the local_t a replayed snapshot fixes, and the
+    case validated once (its TP rules, then its layer's).
+
+    `snapshot_local_t(golden_data, requested local_t)` is the local_t the snapshot fixes, or None
+    where it holds none (`launcher.store.snapshot.fixed_local_t`, which refuses a different
+    requested one): the config floor opens no snapshot itself.
+    """
+    spec = run_spec(cfg, output_dir)
+    if spec.golden_data:
+        fixed = snapshot_local_t(spec.golden_data, cfg.local_t)
+        if fixed is not None:
+            spec = dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=fixed))
+    validated(spec.case)  # the one validation of a case: its TP rules, then its layer's
+    return spec
+
+
 def _nodes(cfg: DictConfig, tp: int) -> dict:
-    if tp < 1:
-        raise ConfigError(f"tp={tp} must be >= 1")
     nnodes, node_rank = int(cfg.nnodes), int(cfg.node_rank)
     if nnodes < 1:
         raise ConfigError(f"nnodes={nnodes} must be >= 1")
@@ -229,13 +217,12 @@ def _nodes(cfg: DictConfig, tp: int) -> dict:
     return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": str(cfg.master_addr),
             "master_port": int(port), "nproc_per_node": nproc}
 
+
 def _default_local_t(model: ModelConfig, tp: int, scope: str) -> int:
     """The rank capacity; the padding-guard scopes run one row block below it, so that the
     poisoned and sentinel rows they check exist."""
-    if tp < 1:
-        return 0
     capacity = model.decode_tokens // tp
-    block = TOKEN_TILE * model.decode_seq // math.gcd(TOKEN_TILE, model.decode_seq)
+    block = row_block(model.decode_seq)
     if scope in ("output", "collectives") and capacity - block >= TOKEN_TILE:
         return capacity - block
     return capacity
@@ -249,3 +236,33 @@ def default_timeout_s(model: ModelConfig) -> float:
 
 def _path(value: Optional[str]) -> Optional[str]:
     return os.path.abspath(os.path.expanduser(str(value))) if value else None
+
+
+# -- the case of a run refused before a RunSpec exists --------------------------------------------
+
+
+def config_case(cfg) -> dict:
+    """The case as the config states it, for a run refused before a RunSpec exists.
+
+    Each key separately: one value that cannot be read (a bad interpolation) must not hide
+    the others.
+    """
+
+    def get(read):
+        try:
+            v = read()
+        except Exception:  # any unreadable value: the preflight message says why
+            return None
+        return list(v) if hasattr(v, "__len__") and not isinstance(v, str) else v
+
+    return {
+        "layer": get(lambda: cfg.layer.name),
+        "scope": get(lambda: cfg.scope),
+        "model": get(lambda: cfg.model.name),
+        "tp": get(lambda: cfg.tp),
+        "local_t": get(lambda: cfg.local_t),
+        "seed": get(lambda: cfg.seed),
+        "start_pos": get(lambda: cfg.start_pos),
+        "backend": get(lambda: cfg.backend),
+        "impl": get(lambda: cfg.impl["_target_"]),
+    }

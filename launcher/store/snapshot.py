@@ -67,6 +67,18 @@ def load_scalar(path: str) -> torch.Tensor:
     return t
 
 
+def fixed_local_t(directory: str, requested: int | None) -> int | None:
+    """The local_t a snapshot fixes (its in/local_t.pt), None where it holds none; a different
+    `requested` local_t (one the config states explicitly) is refused."""
+    path = os.path.join(directory, "in", "local_t.pt")
+    if not os.path.isfile(path):
+        return None
+    local_t = int(load_scalar(path))
+    if requested is not None and int(requested) != local_t:
+        raise ConfigError(f"local_t={requested} but the snapshot {path} holds local_t={local_t}")
+    return local_t
+
+
 def check(directory: str, specs: dict[str, TensorSpec], tp: int) -> None:
     """Refuse a snapshot that does not fit the case (files, shapes, dtypes, rank axis).
 

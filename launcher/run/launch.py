@@ -16,16 +16,16 @@ import re
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from . import devices, forkserver
-from .schema import RunSpec
-from .worker import progress_path, rank_main
+from launcher.config.spec import RunSpec
+from launcher.run import devices, forkserver
+from launcher.run.worker import progress_path, rank_main
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause.
@@ -50,6 +50,11 @@ class LaunchOutcome:
     failure: RankFailure | None
     log_dir: str
     interrupted: int | None = None  # the signal that stopped the launcher (every rank was stopped)
+
+    @property
+    def error(self) -> dict | None:
+        """The root-cause failure as result.json's `error` entry; None when every rank succeeded."""
+        return asdict(self.failure) if self.failure is not None else None
 
 
 def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:

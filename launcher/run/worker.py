@@ -1,9 +1,10 @@
 """The per-rank entry point: build the rank's fixture slice, run the implementation, gather, judge.
 
 Runs in every process the elastic agent starts (or under an external torchrun, which sets the
-same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order:
+same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order
+(`launcher.config.rank_stages`):
 
-    fixture -> golden -> [save] -> layer -> gather -> compare (rank 0)
+    fixture -> golden -> [save] -> layer -> gather -> compare (rank 0) -> [bisect]
 
 The golden of a rank's shard (the single-device layer on that rank's tensors with the full O
 weights, spec validation.md §5.3) is computed on that rank, in parallel with the others, from
@@ -12,7 +13,8 @@ the layer is then bit-identical between golden and implementation, and only the 
 differs by fp32 summation order. Rank 0 gathers actual and golden outputs and compares.
 With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
 slice); `recompute_golden` adds the computed golden as a second reference.
-Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return None.
+Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return the
+verdict rank 0 broadcast.
 Any exception carries a note naming the rank and stage, and the elastic error file keeps its
 traceback for the launcher's failure report.
 """
@@ -40,13 +42,17 @@ from layers.contract.checks import PoolCheck
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
 from layers.distributed import wire
-from layers.registry import get_scope
 
-from . import bisect, devices, faults, forkserver, golden_cache, heatmap, snapshot
-from .comparators import build_comparator, initial_key
-from .schema import RunSpec
+from launcher.config.faults import Fault
+from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.spec import RunSpec
+from launcher.run import devices, faults, forkserver
+from launcher.store import golden_cache, snapshot
+from launcher.verify import bisect, where
+from launcher.verify.base import initial_key
+from launcher.verify.build import build_comparator
 
-log = logging.getLogger("launcher.worker")
+log = logging.getLogger("launcher.run.worker")
 
 
 class ImplContractError(RuntimeError):
@@ -58,11 +64,12 @@ def progress_path(output_dir: str, rank: int) -> str:
     return os.path.join(output_dir, "progress", f"rank{rank}.jsonl")
 
 
-class _Stages:
-    """Times each stage, records its start/end as progress events, and tags a failure with the
-    rank and stage it happened in."""
+class RankStageTimer:
+    """The stages of this rank's run (`launcher.config.rank_stages`): times each, records its
+    start and end as progress events, fires a configured fault at its start, and tags a failure
+    with the rank and stage it happened in."""
 
-    def __init__(self, rank: int, output_dir: str, fault: faults.Fault | None = None):
+    def __init__(self, rank: int, output_dir: str, fault: Fault | None = None):
         self.rank = rank
         self.fault = fault
         self.seconds: dict[str, float] = {}
@@ -74,7 +81,8 @@ class _Stages:
         self._events.write(json.dumps({"rank": self.rank, "stage": name, "event": event, "t": time.time()}) + "\n")
 
     @contextmanager
-    def __call__(self, name: str):
+    def stage(self, name: str):
+        assert name in RANK_STAGES, name
         t0 = time.perf_counter()
         log.info("stage %s ...", name)
         self._event(name, "start")
@@ -185,7 +193,7 @@ def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> 
         )
         verdict = {"tensor": check.output, **v.to_dict()}
         if not v.passed:  # where the errors are: per rank x row block / head group / page
-            verdict["where"] = heatmap.error_maps(
+            verdict["where"] = where.error_maps(
                 check.output, check, actual[check.output], golden[check.output], inputs, seq=case.seq
             )
         verdicts.append(verdict)
@@ -258,14 +266,14 @@ def check_nodes_agree(spec: RunSpec, rank: int) -> None:
 def _run(spec: RunSpec, rank: int, device: torch.device):
     case = spec.case
     tp = case.tp
-    layer = get_scope(case.layer, case.scope)
-    stage = _Stages(rank, spec.output_dir, spec.fault)
+    layer = spec.layer
+    timer = RankStageTimer(rank, spec.output_dir, spec.fault)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
     in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
     mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
-    with stage("fixture"):
+    with timer.stage("fixture"):
         wo_full = None
         if spec.golden_data:
             inputs = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs)
@@ -276,7 +284,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
-    with stage("golden"):
+    with timer.stage("golden"):
         references, cache_status = {}, None
         if spec.golden_data:
             references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
@@ -286,18 +294,18 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         context = {n: inputs[n].clone() for n in mappings}
         context.update({initial_key(n): inputs[n].clone() for n in inout})
     if spec.save_data:
-        with stage("save"):
+        with timer.stage("save"):
             stacked_in = gather_to_rank0(inputs, in_names, rank, tp, device)
             stacked_out = gather_to_rank0(next(iter(references.values())), compared, rank, tp, device)
             if rank == 0:
                 snapshot.save(spec.save_data, case, specs, stacked_in, stacked_out, _starts(stacked_in, case))
             del stacked_in, stacked_out
-    with stage("layer"):
+    with timer.stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
         outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
         faults.on_outputs(spec.fault, rank, outputs, case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
-    with stage("gather"):
+    with timer.stage("gather"):
         del tensors, inputs  # what the outputs do not alias is freed before rank 0 stacks
         release_freed_memory()  # glibc keeps freed heap resident; the stacks are new mappings
         actual = gather_to_rank0(outputs, compared, rank, tp, device)
@@ -305,25 +313,25 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         expected = {src: gather_to_rank0(ref, compared, rank, tp, device) for src, ref in references.items()}
         context = gather_to_rank0(context, sorted(context), rank, tp, device)
         stats = [None] * tp if rank == 0 else None
-        dist.gather_object({"seconds": stage.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
+        dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
                            stats, dst=0)
     comparisons = None
     if rank == 0:
-        with stage("compare"):
+        with timer.stage("compare"):
             comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
     # Every rank learns the verdict, so every node exits with rank 0's verdict code.
     verdict = [all(v["passed"] for vs in comparisons.values() for v in vs) if rank == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
     located = None
     if spec.bisect and not verdict[0]:
-        with stage("bisect"):
+        with timer.stage("bisect"):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
             fresh = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs) if spec.golden_data else layer.rank_inputs(case, rank)
             ctx = RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD)
             located = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
     if rank != 0:
         return {"passed": verdict[0], "comparisons": None}
-    stats[0].update(seconds=stage.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
+    stats[0].update(seconds=timer.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
     return {
         "passed": verdict[0],
         "bisect": located,

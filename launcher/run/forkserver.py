@@ -12,8 +12,8 @@ import multiprocessing.forkserver
 import os
 
 # Imported by the forkserver once, so that each rank starts without re-importing torch.
-PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.worker", "layers.registry", "layers.tp",
-           "layers.stages", "launcher.bisect"]
+PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "layers.registry", "layers.tp",
+           "layers.stages", "launcher.verify.bisect"]
 
 # MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and
 # machines; the reference snapshots were made with the AVX2 code path in strict
