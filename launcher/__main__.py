@@ -24,7 +24,7 @@ def _skip_teardown() -> None:
 if __name__ == "__main__":  # not when a spawned worker re-imports the main module
     atexit.register(_skip_teardown)  # first registered, last run
 
-from launcher import forkserver  # noqa: E402  (after the exit handler: see _skip_teardown)
+from launcher.run import forkserver  # noqa: E402  (after the exit handler: see _skip_teardown)
 
 # Flags that only print (help, the composed config, completion) launch nothing.
 _PRINT_ONLY = ("-h", "--help", "--hydra-help", "-c", "--cfg", "--info", "--shell-completion", "-sc")

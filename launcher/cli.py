@@ -9,8 +9,6 @@ Every job leaves `<output_dir>/result.json`, whatever its outcome.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -20,77 +18,38 @@ import time
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import get_object
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from layers.contract.config import ConfigError
-from layers.registry import validated
 
-from . import devices, progress, report, snapshot, sweep
-from .launch import launch
-from .schema import RunSpec, register, run_spec
-
-EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
-
-register()
-sweep.register_resolvers()
-
-
-def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
-    """Every check the config alone allows, before any process is started."""
-    spec = run_spec(cfg, output_dir)
-    if spec.golden_data:
-        spec = _with_snapshot_local_t(spec, cfg.local_t)
-    layer = validated(spec.case)
-    if spec.golden_data:
-        snapshot.check(spec.golden_data, layer.tensor_specs(spec.case), spec.case.tp)
-    backend = devices.resolve_backend(spec.backend)
-    devices.check_devices(backend, spec.local_ranks)
-    if spec.nnodes > 1 and spec.node_rank == 0:
-        devices.check_port_free(spec.master_addr, spec.master_port)
-    try:
-        get_object(spec.impl["_target_"])
-    except Exception as e:  # ImportError, AttributeError, ...: all mean "cannot find it"
-        reason = " ".join(str(e).split())
-        raise ConfigError(f"impl._target_={spec.impl['_target_']!r} cannot be imported: {reason}") from e
-    return spec
-
-
-def _with_snapshot_local_t(spec: RunSpec, requested) -> RunSpec:
-    """A replayed snapshot fixes local_t (its in/local_t.pt); an explicit different one is refused."""
-    path = os.path.join(spec.golden_data, "in", "local_t.pt")
-    if not os.path.isfile(path):
-        return spec
-    local_t = int(snapshot.load_scalar(path))
-    if requested is not None and int(requested) != local_t:
-        raise ConfigError(f"local_t={requested} but the snapshot {path} holds local_t={local_t}")
-    return dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=local_t))
-
-
-def _write_result(output_dir: str, result: dict, job: dict | None) -> None:
-    """result.json, written whole or not at all; a sweep's job carries its `job` entry."""
-    os.makedirs(output_dir, exist_ok=True)
-    if job is not None:
-        result = {**result, "job": job}
-    path = os.path.join(output_dir, "result.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
+from launcher.config.spec import config_case
+from launcher.report import console, progress, sweep
+from launcher.report.plots import write_plots
+from launcher.report.result import (
+    EXIT_ERROR,
+    EXIT_PASS,
+    build_result,
+    exit_code,
+    launcher_error,
+    not_launched,
+    write_result,
+)
+from launcher.run.launch import launch
+from launcher.run.preflight import preflight
 
 
 def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
     """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
     that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
-    (`launcher.sweep.job_entry`), recorded in result.json."""
+    (`launcher.report.sweep.job_entry`), recorded in result.json."""
     t0 = time.perf_counter()
     try:
         return _execute(cfg, output_dir, t0, job)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
-        result = report.launcher_error(report.config_case(cfg), e, wall_s=time.perf_counter() - t0)
-        _write_result(output_dir, result, job)
-        print(report.render(result))
+        result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
+        write_result(output_dir, result, job)
+        print(console.render(result))
         return EXIT_ERROR
 
 
@@ -100,25 +59,25 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
     except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
         message = " ".join(str(e).split())
         print(f"error: {message}", file=sys.stderr)
-        _write_result(output_dir, report.not_launched(report.config_case(cfg), "config-error", message,
-                                                      wall_s=time.perf_counter() - t0, stage="config"), job)
+        write_result(output_dir, not_launched(config_case(cfg), "config-error", message,
+                                              wall_s=time.perf_counter() - t0, stage="config"), job)
         return EXIT_ERROR
     # The ranks append to their progress files: a folder reused from an earlier run starts empty.
     shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
     c = spec.case
-    label = f"{c.layer} {c.model.name} tp={c.tp} local_t={c.local_t}"
+    size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
+    label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
-    result = report.build_result(spec, outcome, wall_s=time.perf_counter() - t0)
-    if cfg.report.plots:
-        result["plots"] = report.write_plots(result, output_dir)
-    _write_result(output_dir, result, job)
-    print(report.render(result))
+    result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
+                          wall_s=time.perf_counter() - t0)
+    if spec.report_plots:
+        result["plots"] = write_plots(result, output_dir)
+    write_result(output_dir, result, job)
+    print(console.render(result))
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
-    if result["status"] == "error":
-        return EXIT_ERROR
-    return EXIT_PASS if result["passed"] else EXIT_FAIL
+    return exit_code(result)
 
 
 @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
@@ -133,7 +92,7 @@ def _hydra_main(cfg: DictConfig) -> int:
     if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
         # Not counted in the exit status: the job that did not pass already decides it.
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
-        _write_result(output_dir, report.not_launched(report.config_case(cfg), "skipped", message, wall_s=0.0), job)
+        write_result(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
         return EXIT_ERROR
     return execute(cfg, output_dir, job)
 

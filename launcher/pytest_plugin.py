@@ -67,8 +67,8 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
 
     from hydra import compose, initialize_config_module
 
-    from .cli import execute  # registers the schemas
-    from .report import render
+    from launcher.cli import execute  # registers the schemas
+    from launcher.report.console import render
 
     args = [o for k, v in keys.items() for o in _overrides(k, v)] + list(overrides)
     with initialize_config_module(config_module="configs", version_base=None):

@@ -8,16 +8,15 @@ result.json; every rank exits with rank 0's verdict code (0 PASS, 1 FAIL).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 from hydra import compose, initialize_config_module
 
-from . import report
-from .cli import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, preflight
-from .launch import LaunchOutcome
-from .worker import rank_main
+from launcher.run.preflight import preflight
+from launcher.report.console import render
+from launcher.report.result import EXIT_ERROR, build_result, exit_code, write_result
+from launcher.run.worker import rank_main
 from layers.contract.config import ConfigError
 
 
@@ -31,15 +30,12 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    result = rank_main(spec)
-    if result.get("comparisons") is None:
-        return EXIT_PASS if result["passed"] else EXIT_FAIL
-    full = report.build_result(spec, LaunchOutcome(result=result, failure=None, log_dir=output_dir), wall_s=0.0)
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "result.json"), "w") as f:
-        json.dump(full, f, indent=1)
-    print(report.render(full))
-    return EXIT_PASS if full["passed"] else EXIT_FAIL
+    rank_result = rank_main(spec)
+    result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=0.0)
+    if rank_result.get("reporting"):  # the comparing rank reports for the run
+        write_result(output_dir, result)
+        print(render(result))
+    return exit_code(result)
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) ->
     t_import = time.perf_counter()
     import torch
 
-    from launcher import forkserver
+    from launcher.run import forkserver
     from layers.contract.case import Case
     from layers.contract.config import PRESETS
     from layers.registry import get_layer
@@ -255,7 +255,7 @@ def _reset_peak_rss() -> int:
     """Hand freed heap back to the OS, then reset this process's VmHWM to its current RSS
     (Linux clear_refs 5); return that RSS. Without the trim a stage would reuse heap an
     earlier one freed and its transient would read too low (and vary from run to run)."""
-    from launcher.worker import release_freed_memory
+    from launcher.run.worker import release_freed_memory
 
     release_freed_memory()
     with open("/proc/self/clear_refs", "w") as f:

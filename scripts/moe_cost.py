@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher.forkserver import set_reproducible_cpu_env  # noqa: E402
+from launcher.run.forkserver import set_reproducible_cpu_env  # noqa: E402
 
 set_reproducible_cpu_env()
 
@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, args: dict) -> None:
     done("gather")
     result = {"rank": rank, "threads": torch.get_num_threads(), "stages": stages}
     if rank == 0:
-        from launcher.comparators import build_comparator
+        from launcher.verify import build_comparator
 
         verdict = build_comparator(moe.checks(case)[0], mapping_shape=(), leading_rank_axis=True).evaluate(got, golden)
         result.update(bitwise=bool(torch.equal(got, golden)), passed=verdict.passed,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.forkserver import set_reproducible_cpu_env
+from launcher.run.forkserver import set_reproducible_cpu_env
 
 # Before any GEMM of this process: goldens here must reproduce the reference snapshots bitwise.
 set_reproducible_cpu_env()

@@ -1,4 +1,4 @@
-"""Tests of launcher.comparators: the reference's own cases (spec validation.md §13.1–§13.7), the
+"""Tests of launcher.verify's comparators: the reference's own cases (spec validation.md §13.1–§13.7), the
 extra cases of §13.10, the boundaries of §10.2, the labels of §8.4 / §9.5 / §10.4, and our
 report figures (per-rank attribution, stray rows, NaN and shape handling, speed at FLASH dims).
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.comparators import (
+from launcher.verify import (
     AllClose,
     Comparator,
     Verdict,

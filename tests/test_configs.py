@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import launcher.cli  # noqa: F401  (registers the schemas)
-from launcher.schema import run_spec
+from launcher.config.spec import run_spec
 from layers.contract.config import PRESETS
 
 

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from launcher import devices
+from launcher.run import devices
 from layers.contract.config import ConfigError
 from layers.components.numerics import int8_matmul
 
@@ -63,7 +63,7 @@ def test_hccl_timeouts_follow_the_config():
 
 def test_cpu_runs_never_import_torch_npu(tmp_path):
     code = (
-        "import sys, launcher.cli, launcher.worker, launcher.devices as d; "
+        "import sys, launcher.cli, launcher.run.worker, launcher.run.devices as d; "
         "assert d.resolve_backend('gloo') == 'gloo'; d.setup_device('gloo', 0); "
         "assert 'torch_npu' not in sys.modules"
     )

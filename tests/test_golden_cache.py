@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import golden_cache
+from launcher.store import golden_cache
 from layers.contract.tensors import Kind, TensorSpec
 
 SWA = dict(layer="swa", tp=2, model="tiny")

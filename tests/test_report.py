@@ -13,7 +13,9 @@ import zlib
 import pytest
 import torch
 
-from launcher import heatmap, report
+from launcher.report.console import render
+from launcher.report.plots import write_png, write_plots
+from launcher.verify.where import error_maps
 from layers.contract.checks import PoolCheck, RelDiffCheck
 
 from . import defects
@@ -40,7 +42,7 @@ def test_x_out_grids_count_what_the_gate_counts():
     a[0, 3, 2, 5] += 0.1  # one point of rank 0, token block 0, hc 2
     a[0, 20, 1, 0] = float("nan")
     a[1, 30, 3, 7] += 1e-5  # inside the tolerance
-    maps = heatmap.error_maps("x_out", RELDIFF, a, e, {}, seq=8)
+    maps = error_maps("x_out", RELDIFF, a, e, {}, seq=8)
     blocks, hcs = maps[0], maps[1]
     assert (blocks["name"], hcs["name"]) == ("rank x token block", "rank x hc")
     assert blocks["col_labels"] == ["0-7", "8-15", "16-23", "24-31"]
@@ -63,7 +65,7 @@ def test_x_out_grids_count_what_the_gate_counts():
 
 def test_token_blocks_span_whole_requests_and_tiles():
     a = torch.zeros(1, 48, 4, 2)
-    maps = heatmap.error_maps("x_out", RELDIFF, a, a.clone(), {}, seq=12)  # lcm(12, 8) = 24
+    maps = error_maps("x_out", RELDIFF, a, a.clone(), {}, seq=12)  # lcm(12, 8) = 24
     assert maps[0]["col_labels"] == ["0-23", "24-47"]
 
 
@@ -77,7 +79,7 @@ def test_pool_grid_counts_mapped_misses_and_stray_writes_per_physical_block():
     a[0, 2, 3, 0, 1] += 0.5  # row 11 of rank 0 (not mapped): a stray write
     a[1, 0, 2, 1, 0] += 1e-6  # row 2 of rank 1 (mapped): inside the tolerance
     a[1, 3, 3, :, :] = float("nan")  # row 15 of rank 1 (mapped): non-finite
-    maps = heatmap.error_maps("kv_cache", POOL, a, e, {"slot_mapping": mapping})
+    maps = error_maps("kv_cache", POOL, a, e, {"slot_mapping": mapping})
     blocks, head_map = maps
     assert (blocks["name"], head_map["name"]) == ("rank x physical block", "rank x head")
     want_blocks = [[0] * nb for _ in range(p)]
@@ -103,7 +105,7 @@ def test_pool_grid_counts_mapped_misses_and_stray_writes_per_physical_block():
 
 
 def test_a_shape_mismatch_has_no_grid():
-    assert heatmap.error_maps("x_out", RELDIFF, torch.zeros(2, 8, 4, 4), torch.zeros(2, 8, 4, 5), {}) == []
+    assert error_maps("x_out", RELDIFF, torch.zeros(2, 8, 4, 4), torch.zeros(2, 8, 4, 5), {}) == []
 
 
 def _decode_png(data: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]]:
@@ -133,7 +135,7 @@ def _decode_png(data: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]
 def test_png_is_a_valid_heat_map_of_the_grid(tmp_path):
     bad = [[0, 3, 0], [12, 0, 1]]
     path = tmp_path / "h.png"
-    heatmap.write_png(str(path), bad)
+    write_png(str(path), bad)
     width, height, px = _decode_png(path.read_bytes())
     cell = 24
     assert (width, height) == (3 * cell, 2 * 24 + 2)  # two 24-pixel bands, a 2-pixel gap
@@ -149,7 +151,7 @@ def _failing_result() -> dict:
     a = torch.zeros(2, 16, 4, 8)
     e = a.clone()
     a[1, 0:8] = 1.0
-    where = heatmap.error_maps("x_out", RELDIFF, a, e, {}, seq=8)
+    where = error_maps("x_out", RELDIFF, a, e, {}, seq=8)
     verdicts = [
         {"tensor": "kv_cache", "passed": True, "label": "pool", "detail": "", "figures": {}, "per_rank": []},
         {"tensor": "x_out", "passed": False, "label": "ratio_reldiff(...)", "detail": "    ratio_reldiff fail",
@@ -162,7 +164,7 @@ def _failing_result() -> dict:
 
 
 def test_render_says_where_the_bad_points_are():
-    text = report.render(_failing_result())
+    text = render(_failing_result())
     lines = text.splitlines()
     head = next(i for i, ln in enumerate(lines) if "where: x_out: 256 bad points per rank and token block" in ln)
     assert lines[head + 1].split() == ["token", "block", "0-7", "8-15"]
@@ -172,7 +174,7 @@ def test_render_says_where_the_bad_points_are():
 
 
 def test_plots_only_for_failing_tensors(tmp_path):
-    paths = report.write_plots(_failing_result(), str(tmp_path))
+    paths = write_plots(_failing_result(), str(tmp_path))
     assert sorted(os.path.basename(p) for p in paths) == ["heatmap_x_out_rank_x_hc.png",
                                                           "heatmap_x_out_rank_x_token_block.png"]
     _decode_png(open(paths[0], "rb").read())

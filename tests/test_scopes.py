@@ -1,4 +1,4 @@
-"""The focused scopes (layers.scopes) and their stage-level comparators (launcher.stage_comparators).
+"""The focused scopes (layers.scopes) and their stage-level comparators (launcher.verify.exact).
 
 Every scope runs the worker's per-rank flow on real gloo ranks (tests.rank_harness) at tiny
 dims for tp 1, 2, 4 and 8, below capacity so that the poisoned and sentinel rows exist. The
@@ -17,8 +17,8 @@ from unittest import mock
 import pytest
 import torch
 
-from launcher import snapshot
-from launcher.comparators import build_comparator
+from launcher.store import snapshot
+from launcher.verify import build_comparator
 from layers import scopes
 from layers.distributed import collectives
 from layers.components import o_proj as output_half
@@ -28,7 +28,7 @@ from layers.contract.checks import AllcloseCheck, ExactCheck, PrefixTailCheck
 from layers.contract.config import TINY, ConfigError
 from layers.components.numerics import bf16
 from layers.registry import get_layer, get_scope, validated
-from launcher.stage_comparators import PrefixAndTail, SentinelExact
+from launcher.verify.exact import PrefixAndTail, SentinelExact
 
 from .rank_harness import run_scope
 

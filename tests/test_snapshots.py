@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from launcher import snapshot
+from launcher.store import snapshot
 from layers.contract.tensors import Kind
 from layers.contract.case import Case
 from layers.contract.config import TINY, ConfigError

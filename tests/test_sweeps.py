@@ -15,8 +15,9 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from launcher import progress
-from launcher.cli import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, preflight
+from launcher.report import progress
+from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
+from launcher.run.preflight import preflight
 from layers import tp
 
 from .conftest import REPO

@@ -1,4 +1,4 @@
-"""Where a compared tensor's errors are: per-rank grids of bad points, and their PNG heat maps.
+"""Where a compared tensor's errors are: per-rank grids of bad points (drawn by `launcher.report.plots`).
 
 `error_maps` reduces one compared output (stacked `[P, ...]` actual and golden, as rank 0
 holds them after the gather) to small JSON-ready grids, one row per rank:
@@ -12,27 +12,25 @@ holds them after the gather) to small JSON-ready grids, one row per rank:
 A point is bad by the gate's own rule (validation.md §8.2, §10.2), non-finite on either side
 counting as bad; the grids say where, the comparator's verdict says whether it passes. Each
 cell holds the bad count, the cell's element count and its max |diff| over finite points.
-`write_png` draws one grid as an RGB PNG with zlib and struct alone (no plotting dependency).
 
-Pure tensor code on CPU: no torch.distributed, no layer code beyond the check dataclasses.
+Pure tensor code on CPU: no torch.distributed, no layer code beyond the check dataclasses, and
+no drawing (the ranks compute the grids; only the launcher process draws them).
 """
 
 from __future__ import annotations
 
-import math
-import struct
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from layers.contract.case import TOKEN_TILE
 from layers.contract.checks import Check, PoolCheck, RelDiffCheck
 
-from .comparators import ratio_reldiff
+from launcher.config.resolvers import row_block
+from launcher.verify.ratio import ratio_reldiff
 
-TOKEN_TILE = 8  # the token axis is padded and split in 8-row tiles (layers.contract.case)
-_AXES = {"x_out": ("token", "hc", "channel")}
+_AXES = {"x_out": ("token", "hc", "channel"), "x_next": ("token", "hc", "channel")}
 _POOL_AXES = {3: ("block", "row", "channel"), 4: ("block", "row", "head", "channel")}
 
 
@@ -132,54 +130,5 @@ def error_maps(name: str, check: Check, actual: torch.Tensor, expected: torch.Te
         mapping = inputs[check.mapping]
         return _pool_maps(check, a, e, mapping)
     if isinstance(check, RelDiffCheck):
-        return _reldiff_maps(name, check, a, e, math.lcm(seq, TOKEN_TILE))
+        return _reldiff_maps(name, check, a, e, row_block(seq))
     return []  # a focused scope's stage check: its verdict already lists the rows it saw
-
-
-# -- PNG ---------------------------------------------------------------------------------------
-
-_EMPTY = (236, 236, 236)  # no bad point in the cell
-_RANK_GAP = (255, 255, 255)
-
-
-def _ramp(x: float) -> tuple[int, int, int]:
-    """0 < x <= 1 -> light yellow to dark red (more bad points, darker)."""
-    stops = ((255, 237, 160), (254, 178, 76), (240, 59, 32), (128, 0, 38))
-    pos = x * (len(stops) - 1)
-    i = min(int(pos), len(stops) - 2)
-    f = pos - i
-    return tuple(round(stops[i][c] + (stops[i + 1][c] - stops[i][c]) * f) for c in range(3))
-
-
-def cell_colours(bad: Sequence[Sequence[int]]) -> list[list[tuple[int, int, int]]]:
-    """The colour of every cell: grey where clean, else by its share of the worst cell's count
-    (square-root scaled so a single bad point next to thousands still shows)."""
-    worst = max((v for row in bad for v in row), default=0)
-    return [[_EMPTY if v == 0 else _ramp((v / worst) ** 0.5) for v in row] for row in bad]
-
-
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-
-def png_bytes(bad: Sequence[Sequence[int]], cell: int | None = None, band: int = 24) -> bytes:
-    """An RGB PNG of the grid: one `band`-pixel-high row of cells per rank (top: rank 0), a
-    2-pixel gap between ranks; `cell` (pixels per column) defaults to what keeps the image near
-    1000 pixels wide, from 2 to 24."""
-    n_rows, n_cols = len(bad), len(bad[0])
-    cell = cell or max(2, min(band, 1000 // n_cols))
-    colours = cell_colours(bad)
-    width = n_cols * cell
-    lines = []
-    for r, row in enumerate(colours):
-        lines += [b"".join(bytes(c) * cell for c in row)] * band
-        if r != n_rows - 1:
-            lines += [bytes(_RANK_GAP) * width] * 2
-    raw = b"".join(b"\x00" + ln for ln in lines)  # filter type 0 (none) on every scanline
-    header = struct.pack(">IIBBBBB", width, len(lines), 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b"")
-
-
-def write_png(path: str, bad: Sequence[Sequence[int]]) -> None:
-    with open(path, "wb") as f:
-        f.write(png_bytes(bad))

@@ -2,9 +2,9 @@
 
 Owns the console side only; the events come from elsewhere. Each rank appends its stage
 events (`{rank, stage, event: start|done|failed, t}`, one JSON object a line) to
-`<output_dir>/progress/rank<r>.jsonl` (`launcher.worker.progress_path`); `StageWatcher` polls
+`<output_dir>/progress/rank<r>.jsonl` (`launcher.run.worker.progress_path`); `StageWatcher` polls
 those files from a thread of the launcher process while the ranks run. The sweep callback
-(`launcher.sweep`) reports jobs as they start and end through the same `Display`.
+(`launcher.report.sweep`) reports jobs as they start and end through the same `Display`.
 
 On a terminal the run in flight is one status line, rewritten in place; everywhere else
 (a pipe, a CI log, a file) every change is a plain line of its own, so the output has no
@@ -23,11 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from launcher.config.rank_stages import RANK_STAGES, ROOT_ONLY_STAGES
+
 POLL_S = 0.2
-# The stages a rank runs, in order (launcher.worker); a stage not listed sorts after them.
-STAGE_ORDER = ("fixture", "golden", "save", "layer", "gather", "compare")
-# Rank 0 alone compares (it holds the gathered tensors); every other stage runs on all ranks.
-ROOT_ONLY = frozenset({"compare"})
 _CLEAR_LINE = "\r\x1b[2K"
 
 
@@ -142,14 +140,15 @@ class _Stage:
 
 
 def _stage_key(name: str) -> tuple[int, str]:
-    return (STAGE_ORDER.index(name) if name in STAGE_ORDER else len(STAGE_ORDER), name)
+    """Stages in the order a rank runs them; a name not in the list sorts after them."""
+    return (RANK_STAGES.index(name) if name in RANK_STAGES else len(RANK_STAGES), name)
 
 
 class StageWatcher:
     """Follows the ranks' stage events of one run while it runs (a context manager).
 
     `expected_ranks` is the run's tp: a stage counts as finished when every rank that runs it
-    (rank 0 alone for `ROOT_ONLY` stages) reported it done.
+    (rank 0 alone for `ROOT_ONLY_STAGES`) reported it done.
     """
 
     def __init__(self, output_dir: str, expected_ranks: int, label: str, display: Display = DISPLAY,
@@ -205,7 +204,7 @@ class StageWatcher:
             st.last_t = t if st.last_t is None else max(st.last_t, t)
         for name in sorted(self.stages, key=_stage_key):
             st = self.stages[name]
-            need = 1 if name in ROOT_ONLY else self.ranks
+            need = 1 if name in ROOT_ONLY_STAGES else self.ranks
             if len(st.done) >= need and (name, "done") not in self._reported:
                 self._reported.add((name, "done"))
                 span = (st.last_t or 0.0) - (st.first_t or 0.0)
@@ -224,7 +223,7 @@ class StageWatcher:
         cells = []
         for name in sorted(self.stages, key=_stage_key):
             st = self.stages[name]
-            need = 1 if name in ROOT_ONLY else self.ranks
+            need = 1 if name in ROOT_ONLY_STAGES else self.ranks
             mark = " FAILED" if st.failed else ""
             cells.append(f"{name} {len(st.done)}/{need}{mark}")
         return f"{self._prefix()}{self.label}  " + "  ".join(cells) + f"  {time.time() - self._t0:.1f}s"

@@ -1,4 +1,4 @@
-"""Sweeps: the Hydra callback that reports a multirun, and the resolvers its sweep files use.
+"""Sweeps: the Hydra callback that reports a multirun.
 
 `SweepSummary` (registered under `hydra.callbacks` in configs/config.yaml) prints a line as
 each job starts and ends, and at the end of the multirun writes, into the sweep directory:
@@ -12,20 +12,12 @@ and prints the same rows as a table on stdout. Every row comes from the job's re
 (`launcher.cli.execute` writes one for every outcome), so a crashed job has its row too.
 Jobs run one after another in this process (Hydra's basic launcher): each launches its own
 ranks on a fresh rendezvous port.
-
-The resolvers give sweep files values that depend on the job's own tp and model:
-`${capacity:}` is the rank capacity decode_batch*decode_seq/tp and `${capacity:1}` one row
-block below it (a row block is lcm(8, decode_seq) tokens); `${row_block_below:}` is the
-second token count the reference runs (validation.md §5.3), the capacity itself at tp = 1;
-`${mixed_starts:}` is a start position per request of the TP group (`start_pos`'s group form),
-drawn in turn from `mixed_pattern` so that every rank's requests start differently (swa.md P11).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import re
 import time
@@ -38,59 +30,14 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from layers.contract.case import TOKEN_TILE
-from layers.contract.config import ModelConfig
+from launcher.report import progress
+from launcher.report.console import fmt, table_lines
+from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, verdict
 
-from . import progress
-
-# A job's verdict by its result status; an "ok" run is PASS or FAIL by its comparisons.
-VERDICTS = {"ok": None, "error": "ERROR", "config-error": "ERROR", "skipped": "SKIP"}
-SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP"}
+SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP", "unchecked": "UNCHECKED"}
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
 # which already decides the sweep's status.
-EXIT_CODES = {"PASS": 0, "FAIL": 1, "ERROR": 2, "SKIP": 0}
-
-
-# -- resolvers ---------------------------------------------------------------------------------
-
-
-def _model(root) -> ModelConfig:
-    return ModelConfig(**OmegaConf.to_container(root.model, resolve=True))
-
-
-def capacity(blocks_below: int = 0, *, _root_) -> int:
-    """The rank capacity of the job's model and tp, less `blocks_below` row blocks."""
-    m = _model(_root_)
-    return m.decode_tokens // int(_root_.tp) - int(blocks_below) * math.lcm(TOKEN_TILE, m.decode_seq)
-
-
-def row_block_below(*, _root_) -> int:
-    """The second token count of validation.md §5.3: one row block below the capacity for
-    tp > 1; at tp = 1 the reference runs the capacity alone, and so does this."""
-    return capacity(0 if int(_root_.tp) == 1 else 1, _root_=_root_)
-
-
-def mixed_pattern(m: ModelConfig) -> list[int]:
-    """Starts of every layer's regimes: long context, cold start, the ratio-4 and ratio-128
-    boundaries, window edges, state-page and cache-tile crossings (swa.md §7.1, csa.md §6.1,
-    hca.md §5.1). Thirteen of them: prime, so no power-of-two rank batch repeats another's."""
-    w = m.sliding_window
-    return [m.decode_start_pos, 0, 2, 3, 7, 10, 31, 63, w - 1, w, 255, 511, 1023]
-
-
-def mixed_starts(*, _root_) -> list[int]:
-    """One start per request of the TP group, request i taking `mixed_pattern[i % 13]`."""
-    m = _model(_root_)
-    tp = int(_root_.tp)
-    local_t = _root_.local_t if _root_.local_t is not None else m.decode_tokens // tp
-    pattern = mixed_pattern(m)
-    return [pattern[i % len(pattern)] for i in range(tp * (int(local_t) // m.decode_seq))]
-
-
-def register_resolvers() -> None:
-    OmegaConf.register_new_resolver("capacity", capacity, replace=True)
-    OmegaConf.register_new_resolver("row_block_below", row_block_below, replace=True)
-    OmegaConf.register_new_resolver("mixed_starts", mixed_starts, replace=True)
+EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS, "UNCHECKED": EXIT_PASS}
 
 
 # -- one row per job ---------------------------------------------------------------------------
@@ -115,6 +62,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         return row
     case = result["case"]
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
+    row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
     failed = [v for v in verdicts if not v["passed"]]
@@ -129,8 +77,10 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         n_bad=figures.get("n_bad"),
         numel=figures.get("numel"),
     )
-    row["verdict"] = VERDICTS.get(result["status"], "ERROR") or ("PASS" if result["passed"] else "FAIL")
+    row["verdict"] = verdict(result)
     row["exit_code"] = EXIT_CODES[row["verdict"]]
+    if result.get("bench"):
+        row["bench_median_s"] = result["bench"]["median_s"]
     if result["status"] != "ok":
         e = result["error"]
         # Named once: a message that already says which rank or stage is kept as it is.
@@ -153,27 +103,24 @@ def _starts_text(start_pos) -> str:
     return str(start_pos)
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
-
-
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
-    head = ["job", "layer", "scope", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad", "wall_s"]
-    cells = [head]
+    grouped = any((r.get("dp") or 1) > 1 for r in rows)
+    head = ["job", "layer", "scope", "model", "tp", *(["dp"] if grouped else []), "local_t", "start_pos", "verdict",
+            "tensor", "max|diff|", "bad", "wall_s"]
+    benched = any(r.get("bench_median_s") is not None for r in rows)
+    cells = [head + ["bench_ms"] if benched else head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
-        cells.append([str(r["job"]), _fmt(r.get("layer")), _fmt(r.get("scope")), _fmt(r.get("model")), _fmt(r.get("tp")),
-                      _fmt(r.get("local_t")), _starts_text(r.get("start_pos")), r["verdict"], _fmt(r.get("tensor")),
-                      _fmt(r.get("max_abs_diff")), bad, _fmt(r.get("wall_s"))])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
+                      *([fmt(r.get("dp"))] if grouped else []), fmt(r.get("local_t")), _starts_text(r.get("start_pos")),
+                      r["verdict"], fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
+        if benched:
+            median = r.get("bench_median_s")
+            cells[-1].append(fmt(median * 1e3) if median is not None else "-")
+    lines = table_lines(cells)
     for r in rows:
-        if r["verdict"] != "PASS":
+        if r["verdict"] not in ("PASS", "UNCHECKED"):
             lines.append(f"job {r['job']} {r['verdict']}: {r['message']}  ({r['output_dir']})")
     return lines
 
@@ -209,6 +156,9 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
             el.text = _xml_text(r.get("traceback") or r["message"])
         elif r["verdict"] == "SKIP":
             ET.SubElement(tc, "skipped", {"message": _xml_text(r["message"])})
+        if r.get("bench_median_s") is not None:
+            props = ET.SubElement(tc, "properties")
+            ET.SubElement(props, "property", {"name": "bench_median_s", "value": repr(r["bench_median_s"])})
         out = ET.SubElement(tc, "system-out")
         out.text = f"output_dir: {r['output_dir']}"
     ET.indent(root)
@@ -312,7 +262,8 @@ def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
     _write_json(os.path.join(sweep_dir, "summary.json"), summary)
     junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
     print("\n".join(table(rows)))
-    print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+    unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
+    print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors{unchecked}, "
           f"{counts['skipped']} skipped of {len(rows)}{' (interrupted)' if interrupted else ''}; "
           f"summary.json and junit.xml in {sweep_dir}")
     return exit_status(rows)
@@ -393,7 +344,7 @@ class SweepSummary(Callback):
         sweep.done += 1
         sweep.failed += row["verdict"] != "PASS"
         what = f" {row['message']}" if row["verdict"] != "PASS" and row.get("message") else ""
-        progress.DISPLAY.line(f"{sweep.prefix()}{row['verdict']}{what} ({_fmt(row.get('wall_s'))}s); "
+        progress.DISPLAY.line(f"{sweep.prefix()}{row['verdict']}{what} ({fmt(row.get('wall_s'))}s); "
                               f"{sweep.done}/{sweep.total or '?'} done, {sweep.failed} not passed")
         sweep.current = None
 

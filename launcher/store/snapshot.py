@@ -67,6 +67,18 @@ def load_scalar(path: str) -> torch.Tensor:
     return t
 
 
+def fixed_local_t(directory: str, requested: int | None) -> int | None:
+    """The local_t a snapshot fixes (its in/local_t.pt), None where it holds none; a different
+    `requested` local_t (one the config states explicitly) is refused."""
+    path = os.path.join(directory, "in", "local_t.pt")
+    if not os.path.isfile(path):
+        return None
+    local_t = int(load_scalar(path))
+    if requested is not None and int(requested) != local_t:
+        raise ConfigError(f"local_t={requested} but the snapshot {path} holds local_t={local_t}")
+    return local_t
+
+
 def check(directory: str, specs: dict[str, TensorSpec], tp: int) -> None:
     """Refuse a snapshot that does not fit the case (files, shapes, dtypes, rank axis).
 
@@ -136,14 +148,9 @@ def save(directory: str, case: Case, specs: dict[str, TensorSpec], inputs: dict,
         _save(t[0] if _is_scalar(spec) else t, path)
         hashes[f"{sub}/{name}.pt"] = _sha256(path)
     manifest = {
-        "layer": case.layer,
-        "scope": case.scope,
+        **case.describe(),
         "model": case.model.name,
         "model_fields": case.model.fields(),
-        "tp": case.tp,
-        "local_t": case.local_t,
-        "seed": case.seed,
-        "start_pos": list(case.start_pos) if isinstance(case.start_pos, tuple) else case.start_pos,
         "start_positions_by_rank": starts,
         "tool_version": tool_version(),
         "torch": torch.__version__,

@@ -16,16 +16,16 @@ import re
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from . import devices, forkserver
-from .schema import RunSpec
-from .worker import progress_path, rank_main
+from launcher.config.spec import RunSpec
+from launcher.run import devices, forkserver
+from launcher.run.worker import progress_path, rank_main
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause.
@@ -50,6 +50,11 @@ class LaunchOutcome:
     failure: RankFailure | None
     log_dir: str
     interrupted: int | None = None  # the signal that stopped the launcher (every rank was stopped)
+
+    @property
+    def error(self) -> dict | None:
+        """The root-cause failure as result.json's `error` entry; None when every rank succeeded."""
+        return asdict(self.failure) if self.failure is not None else None
 
 
 def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:
@@ -78,8 +83,8 @@ def run_id_of(spec: RunSpec) -> str:
     """Unique per single-node run; for multi-node, the same on every node (from the shared config)."""
     c = spec.case
     if spec.nnodes == 1:
-        return f"{c.layer}-tp{c.tp}-{uuid.uuid4().hex[:8]}"
-    return f"{c.layer}-tp{c.tp}-{spec.master_addr.replace('.', '-')}-{spec.master_port}"
+        return f"{c.layer}-{c.group_size}r-{uuid.uuid4().hex[:8]}"
+    return f"{c.layer}-{c.group_size}r-{spec.master_addr.replace('.', '-')}-{spec.master_port}"
 
 
 def _rank_log_dir(log_root: str, run_id: str, local_rank: int) -> str | None:
@@ -230,5 +235,5 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     # The comparing rank (global rank 0) returns the full result; every other rank returns
     # the verdict rank 0 broadcast, which is all a node without rank 0 reports.
     results = [r for r in results.values() if r is not None]
-    full = [r for r in results if r.get("comparisons") is not None]
+    full = [r for r in results if r.get("reporting")]
     return LaunchOutcome(result=(full or results)[0], failure=None, log_dir=log_root)

@@ -1,0 +1,49 @@
+"""Which faults a config may ask for: `fault.kind=K fault.rank=R fault.stage=S` (`Fault`).
+
+A fault that could never fire is refused before any rank starts: a smoke test expecting it must
+not pass silently. Firing it is the ranks' business (`launcher.run.faults`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from layers.contract.config import ConfigError
+
+from launcher.config.rank_stages import FAULT_STAGES, ROOT_ONLY_STAGES
+
+KINDS = ("raise", "exit", "hang", "nan", "corrupt")
+OUTPUT_KINDS = ("nan", "corrupt")  # faults in the implementation's outputs, not in the process
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    stage: str
+
+    def check(self, tp: int, absent: Mapping[str, str]) -> None:
+        """Refuse a fault that could never fire: a smoke test expecting it must not pass silently.
+        `absent`: the stages this run does not have, each with the key that would add it."""
+        if self.kind not in KINDS:
+            raise ConfigError(f"fault.kind={self.kind!r} must be one of {', '.join(KINDS)}")
+        if self.stage not in FAULT_STAGES:
+            raise ConfigError(f"fault.stage={self.stage!r} must be one of {', '.join(FAULT_STAGES)}")
+        if not 0 <= self.rank < tp:
+            raise ConfigError(f"fault.rank={self.rank} must be in [0, {tp}) for tp={tp}")
+        if self.kind in OUTPUT_KINDS and self.stage != "layer":
+            raise ConfigError(f"fault.kind={self.kind} corrupts the layer's outputs: it needs fault.stage=layer")
+        if self.stage in absent:
+            raise ConfigError(f"fault.stage={self.stage} never runs without {absent[self.stage]}")
+        if self.stage in ROOT_ONLY_STAGES and self.rank != 0:
+            raise ConfigError(f"fault.stage={self.stage} runs on rank 0 alone, not on fault.rank={self.rank}")
+
+
+def check_unset(rank: int, stage: str, tp: int) -> None:
+    """Without fault.kind nothing fires, but the rank and stage must still exist: a sweep over
+    `fault.kind=null,hang fault.rank=1` runs both, and a typo must not pass silently."""
+    if stage not in FAULT_STAGES:
+        raise ConfigError(f"fault.stage={stage!r} must be one of {', '.join(FAULT_STAGES)}")
+    if not 0 <= rank < tp:
+        raise ConfigError(f"fault.rank={rank} must be in [0, {tp}) for tp={tp}")

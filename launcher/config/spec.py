@@ -1,0 +1,353 @@
+"""The one reader of the run config: a composed Hydra config -> a validated, frozen `RunSpec`.
+
+`run_spec` reads every key once and checks each value (naming the key, the value and the
+rule) into a RunSpec and its `Case`; `validated_spec` adds the local_t a replayed snapshot
+fixes and validates the case once: its TP rules (`Case.validate`), then its layer's
+(`Layer.validate`). What only the machine can tell (devices, ports, the snapshot's files, an
+importable implementation) is checked next by `launcher.run.preflight`. `config_case` is the same config's case for a run refused before a
+RunSpec exists, each key read on its own.
+
+RunSpec is plain dataclasses, picklable, no OmegaConf: it is what every rank receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from layers.contract.case import TOKEN_TILE, Case, MoECase
+from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
+from layers.contract.layer import Layer
+from layers.registry import get_scope, validated
+
+from launcher.config.faults import Fault
+from launcher.config.faults import check_unset as check_fault_unset
+from launcher.config.resolvers import row_block, tp_of
+
+BACKENDS = ("auto", "gloo", "nccl", "hccl")
+START_METHODS = ("forkserver", "spawn", "fork")
+DEFAULT_IMPL = "layers.tp.TorchTP"
+DEFAULT_EP = 2  # the MoE layer's EP size when `ep` is not given (the reference's default)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """Benchmark mode (`launcher.run.bench`): timed rounds after the validated step."""
+
+    rounds: int
+    warmup: int = 0
+    stages: bool = False  # time every stage of a stage-based implementation
+    profile: bool = False  # torch.profiler traces of the timed rounds, one per rank
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs to run its part of one case, and how the launcher reports it
+    (picklable, no OmegaConf)."""
+
+    case: Case | MoECase
+    impl: dict  # a Hydra instantiate spec: {"_target_": ..., **kwargs}
+    backend: str
+    timeout_s: float
+    start_method: str
+    threads_per_rank: Optional[int]
+    output_dir: str
+    golden_data: Optional[str] = None  # replay: inputs and reference outputs from this snapshot
+    save_data: Optional[str] = None  # write this run's inputs and golden outputs as a snapshot
+    recompute_golden: bool = False  # with golden_data: also compare against a recomputed golden
+    golden_cache: Optional[str] = None  # folder of cached goldens; None disables the cache
+    fault: Optional[Fault] = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 (single node): the store binds a free port
+    nproc_per_node: int = 0  # ranks on this node; 0 means dp * tp / nnodes
+    bisect: bool = False  # after a failing full run, locate the first divergent stage and rank
+    report_plots: bool = False  # PNG heat maps of a failing tensor's errors (drawn by the launcher)
+    dp: int = 1  # TP groups side by side: the world is dp * tp ranks (launcher.run.groups)
+    golden: bool = True  # False: a performance-only run, no golden and no comparison (UNCHECKED)
+    bench: Optional[BenchSpec] = None  # benchmark rounds after the validated step
+
+    @property
+    def layer(self) -> Layer:
+        """The layer (or focused scope) the case runs, this process's own instance."""
+        return get_scope(self.case.layer, self.case.scope)
+
+    @property
+    def world(self) -> int:
+        """Every rank of the launch: dp groups of the layer's group size (tp, or ep)."""
+        return self.dp * self.case.group_size
+
+    @property
+    def local_ranks(self) -> int:
+        return self.nproc_per_node or self.world // self.nnodes
+
+    @property
+    def rank_base(self) -> int:
+        """Global rank of this node's first rank: node 0 holds rank 0, which compares."""
+        return self.node_rank * self.local_ranks
+
+    @property
+    def deadline_s(self) -> float:
+        """Wall-clock limit of one rank: a rank still running then dumps its stacks and exits."""
+        return 2 * self.timeout_s
+
+    def threads(self) -> int:
+        """Per-rank intra-op threads: the node's cores shared by its ranks, never oversubscribed."""
+        if self.threads_per_rank:
+            return self.threads_per_rank
+        return max(1, (os.cpu_count() or 1) // self.local_ranks)
+
+    def case_entry(self) -> dict:
+        """result.json's `case`: what ran, as the config names it."""
+        return {**self.case.describe(), "model": self.case.model.name, "dp": self.dp, "backend": self.backend,
+                "impl": self.impl.get("_target_")}
+
+
+def _start_pos(value: Any) -> int | tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (ListConfig, list, tuple)):
+        items = list(value)
+        if not items or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+            raise ConfigError(f"start_pos={list(items)} must be an integer or a non-empty list of integers")
+        return tuple(items)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"start_pos={value!r} must be an integer or a list of integers")
+
+
+def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
+    """Every key of a composed config read once and its value checked, into a RunSpec; raises
+    ConfigError naming the key, its value and the rule. The case it holds is not validated yet:
+    `validated_spec` does that, once.
+    """
+    model_fields = OmegaConf.to_container(cfg.model, resolve=True)
+    model = ModelConfig(**model_fields)
+    layer_name, scope = str(cfg.layer.name), str(cfg.scope)
+    get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
+    case = _moe_case(cfg, model) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
+    group = case.group_size
+    dp = int(cfg.dp)
+    if dp < 1:
+        raise ConfigError(f"dp={dp} must be >= 1 (the number of groups; the world is dp*{_size_key(case)} ranks)")
+    if dp > 1 and cfg.golden_data:
+        raise ConfigError(f"golden_data replays one group's snapshot: it needs dp=1, not dp={dp}")
+    world = dp * group
+    if cfg.bisect and scope != "full":
+        raise ConfigError(f"bisect=true locates a divergent stage of the full layer; it needs scope=full, not scope={scope}")
+    if cfg.bisect and isinstance(case, MoECase):
+        raise ConfigError("bisect=true walks the attention layers' stages; layer=moe is compared on x_next alone")
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
+    if cfg.start_method not in START_METHODS:
+        raise ConfigError(f"start_method={cfg.start_method!r} must be one of {', '.join(START_METHODS)}")
+    timeout_s = default_timeout_s(model) if cfg.timeout_s is None else float(cfg.timeout_s)
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
+    golden, bench = _performance(cfg)
+    fault = None
+    if cfg.fault.kind is not None:
+        fault = Fault(kind=str(cfg.fault.kind), rank=int(cfg.fault.rank), stage=str(cfg.fault.stage))
+        fault.check(world, _absent_stages(cfg, golden, bench))
+    else:
+        check_fault_unset(int(cfg.fault.rank), str(cfg.fault.stage), world)
+    if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
+        raise ConfigError(f"threads_per_rank={cfg.threads_per_rank} must be >= 1")
+    if cfg.recompute_golden and not cfg.golden_data:
+        raise ConfigError("recompute_golden=true needs golden_data=DIR (there is nothing else to recompute against)")
+    if cfg.impl is None:
+        impl = {"_target_": DEFAULT_IMPL}
+    elif isinstance(cfg.impl, str):  # the shorthand impl=package.module.Name
+        impl = {"_target_": cfg.impl}
+    else:
+        impl = OmegaConf.to_container(cfg.impl, resolve=True)
+    if not isinstance(impl, dict) or "_target_" not in impl:
+        raise ConfigError(f"impl={impl!r} must name a callable as impl._target_=package.module.Name")
+    return RunSpec(
+        case=case,
+        impl=impl,
+        backend=str(cfg.backend),
+        timeout_s=timeout_s,
+        start_method=str(cfg.start_method),
+        threads_per_rank=cfg.threads_per_rank,
+        output_dir=output_dir,
+        golden_data=_path(cfg.golden_data),
+        save_data=_path(cfg.save_data),
+        recompute_golden=bool(cfg.recompute_golden),
+        golden_cache=_path(cfg.golden_cache),
+        fault=fault,
+        bisect=bool(cfg.bisect),
+        report_plots=bool(cfg.report.plots),
+        dp=dp,
+        golden=golden,
+        bench=bench,
+        **_nodes(cfg, case, dp),
+    )
+
+
+def _size_key(case) -> str:
+    return "ep" if isinstance(case, MoECase) else "tp"
+
+
+def _given(cfg: DictConfig, keys: tuple[str, ...]) -> list[str]:
+    return [k for k in keys if cfg[k] is not None]
+
+
+def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> Case:
+    """The case of an attention layer (swa, csa, hca): TP keys; the MoE keys are refused."""
+    moe_keys = _given(cfg, ("ep", "layer_id", "num_tokens", "balanced_routing"))
+    if moe_keys:
+        raise ConfigError(f"{moe_keys[0]}={cfg[moe_keys[0]]} is a key of layer=moe; layer={layer} takes tp, "
+                          f"local_t and start_pos")
+    tp = tp_of(cfg)
+    if tp < 1:
+        raise ConfigError(f"tp={tp} must be >= 1")
+    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(model, tp, scope)
+    return Case(layer=layer, model=model, tp=tp, local_t=int(local_t), seed=int(cfg.seed),
+                start_pos=_start_pos(cfg.start_pos), scope=scope)
+
+
+def _moe_case(cfg: DictConfig, model: ModelConfig) -> MoECase:
+    """The case of the MoE layer: its group is the EP group (`ep`, default 2) with 128 tokens
+    per rank; the attention layers' keys do not apply and are refused."""
+    attention_keys = _given(cfg, ("tp", "local_t", "start_pos"))
+    if attention_keys:
+        k = attention_keys[0]
+        raise ConfigError(f"{k}={cfg[k]} does not apply to layer=moe (its group is ep=P ranks of 128 tokens "
+                          f"each): leave {k} out")
+    ep = int(cfg.ep) if cfg.ep is not None else DEFAULT_EP
+    if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
+        raise ConfigError(f"ep={ep} must be in [1, {MOE_MAX_EP}] (E = 16·ep experts; score routing sorts at most 256)")
+    return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id or 0),
+                   num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
+                   balanced_routing=bool(cfg.balanced_routing))
+
+
+def validated_spec(cfg: DictConfig, output_dir: str, *,
+                   snapshot_local_t: Callable[[str, int | None], int | None]) -> RunSpec:
+    """The one reader's whole answer: `run_spec`, the local_t a replayed snapshot fixes, and the
+    case validated once (its TP rules, then its layer's).
+
+    `snapshot_local_t(golden_data, requested local_t)` is the local_t the snapshot fixes, or None
+    where it holds none (`launcher.store.snapshot.fixed_local_t`, which refuses a different
+    requested one): the config floor opens no snapshot itself.
+    """
+    spec = run_spec(cfg, output_dir)
+    if spec.golden_data and isinstance(spec.case, Case):
+        fixed = snapshot_local_t(spec.golden_data, cfg.local_t)
+        if fixed is not None:
+            spec = dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=fixed))
+    validated(spec.case)  # the one validation of a case: its TP rules, then its layer's
+    return spec
+
+
+def _performance(cfg: DictConfig) -> tuple[bool, Optional[BenchSpec]]:
+    """`golden` and the benchmark: golden=false skips golden and comparison (a performance run
+    of a case already validated), so it cannot be replayed against, saved or bisected."""
+    rounds, warmup = int(cfg.bench.rounds), int(cfg.bench.warmup)
+    if rounds < 0 or warmup < 0:
+        raise ConfigError(f"bench.rounds={rounds} and bench.warmup={warmup} must be >= 0")
+    if rounds == 0 and (warmup or cfg.bench.stages or cfg.profile):
+        given = "bench.warmup" if warmup else "bench.stages=true" if cfg.bench.stages else "profile=true"
+        raise ConfigError(f"{given} applies to benchmark rounds: set bench.rounds=N (N > 0)")
+    golden = bool(cfg.golden)
+    if not golden:
+        for key in ("golden_data", "save_data"):
+            if cfg[key]:
+                raise ConfigError(f"golden=false runs no golden: it cannot go with {key}={cfg[key]}")
+        if cfg.bisect:
+            raise ConfigError("golden=false runs no golden: bisect=true has nothing to compare against")
+    bench = BenchSpec(rounds, warmup, bool(cfg.bench.stages), bool(cfg.profile)) if rounds else None
+    return golden, bench
+
+
+def _absent_stages(cfg: DictConfig, golden: bool, bench: Optional[BenchSpec]) -> dict[str, str]:
+    """The rank stages this run will not have, each with the key that would add it."""
+    absent = {}
+    if not cfg.save_data:
+        absent["save"] = "save_data=DIR"
+    if bench is None:
+        absent["bench"] = "bench.rounds=N"
+    if not golden:
+        absent.update(golden="golden=true", compare="golden=true")
+    return absent
+
+
+def _nodes(cfg: DictConfig, case, dp: int) -> dict:
+    nnodes, node_rank = int(cfg.nnodes), int(cfg.node_rank)
+    size, key = case.group_size, _size_key(case)
+    world = dp * size
+    if nnodes < 1:
+        raise ConfigError(f"nnodes={nnodes} must be >= 1")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"node_rank={node_rank} must be in [0, {nnodes}) for nnodes={nnodes}")
+    nproc = int(cfg.nproc_per_node) if cfg.nproc_per_node is not None else (world // nnodes if world % nnodes == 0 else 0)
+    if nproc < 1 or nproc * nnodes != world:
+        ranks = f"dp*{key}={dp}*{size}={world}" if dp > 1 else f"{key}={size}"
+        raise ConfigError(
+            f"nproc_per_node={cfg.nproc_per_node if cfg.nproc_per_node is not None else 'world/nnodes'} x "
+            f"nnodes={nnodes} must equal {ranks} (one rank per device on every node)"
+        )
+    port = cfg.master_port if cfg.master_port is not None else (0 if nnodes == 1 else 29500)
+    if not 0 <= int(port) < 65536 or (nnodes > 1 and int(port) == 0):
+        raise ConfigError(f"master_port={port} must be a TCP port in [1, 65535] for a multi-node run")
+    return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": str(cfg.master_addr),
+            "master_port": int(port), "nproc_per_node": nproc}
+
+
+def _default_local_t(model: ModelConfig, tp: int, scope: str) -> int:
+    """The rank capacity; the padding-guard scopes run one row block below it, so that the
+    poisoned and sentinel rows they check exist."""
+    capacity = model.decode_tokens // tp
+    block = row_block(model.decode_seq)
+    if scope in ("output", "collectives") and capacity - block >= TOKEN_TILE:
+        return capacity - block
+    return capacity
+
+
+def default_timeout_s(model: ModelConfig) -> float:
+    """Collective timeout when none is given: a hang at small dims ends in well under a minute,
+    while a flash-dims rank may legitimately wait on slower peers for a while."""
+    return 20.0 if model.hidden_size <= 1024 else 300.0
+
+
+def _path(value: Optional[str]) -> Optional[str]:
+    return os.path.abspath(os.path.expanduser(str(value))) if value else None
+
+
+# -- the case of a run refused before a RunSpec exists --------------------------------------------
+
+
+def config_case(cfg) -> dict:
+    """The case as the config states it, for a run refused before a RunSpec exists.
+
+    Each key separately: one value that cannot be read (a bad interpolation) must not hide
+    the others.
+    """
+
+    def get(read):
+        try:
+            v = read()
+        except Exception:  # any unreadable value: the preflight message says why
+            return None
+        return list(v) if hasattr(v, "__len__") and not isinstance(v, str) else v
+
+    return {
+        "layer": get(lambda: cfg.layer.name),
+        "scope": get(lambda: cfg.scope),
+        "model": get(lambda: cfg.model.name),
+        "tp": get(lambda: cfg.tp),
+        "ep": get(lambda: cfg.ep),
+        "dp": get(lambda: cfg.dp),
+        "local_t": get(lambda: cfg.local_t),
+        "seed": get(lambda: cfg.seed),
+        "start_pos": get(lambda: cfg.start_pos),
+        "backend": get(lambda: cfg.backend),
+        "impl": get(lambda: cfg.impl["_target_"]),
+    }

@@ -1,0 +1,189 @@
+"""The console report of a run: what `python -m launcher` prints after the ranks are done.
+
+`render(result)` needs nothing but the result dict (`launcher.report.result`): the case line,
+the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank), each
+failing tensor's comparator account, where its errors are (the grids of
+`launcher.verify.where`, as text), the bisect table when there is one, and the verdict line.
+`fmt` and `table_lines` are the number and table formats the sweep's table shares.
+"""
+
+from __future__ import annotations
+
+from launcher.config.rank_stages import RANK_STAGES
+from launcher.report.result import verdict
+from launcher.verify.bisect import render as render_bisect
+
+
+def fmt(v) -> str:
+    """A figure in a table cell: '-' for none, 3 significant digits for a float."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def table_lines(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as left-aligned columns two spaces apart (the first row is the header)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def case_line(c: dict) -> str:
+    """The case as `key=value` pairs: the attention layers' tp / local_t / start_pos, the MoE
+    layer's ep / layer_id / num_tokens / balanced_routing; dp where there are several groups."""
+    keys = ["layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
+            "seed", "start_pos", "backend", "impl"]
+    cells = [f"{k}={c[k]}" for k in keys if k in c and not (k == "dp" and c[k] in (None, 1))]
+    return "dsv4-tp-harness  " + " ".join(cells)
+
+
+def render(result: dict) -> str:
+    lines = [case_line(result["case"])]
+    if result["status"] in ("config-error", "skipped"):  # no rank ran
+        word = "error" if result["status"] == "config-error" else "SKIPPED"
+        lines.append(f"{word}: {result['error']['message']}")
+        lines.append(f"VERDICT: {'ERROR' if word == 'error' else 'SKIPPED'} ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
+    if result["status"] == "error":
+        e = result["error"]
+        stage = f" in stage '{e['stage']}'" if e["stage"] else ""
+        if e["rank"] is None:  # no rank ran: the launcher process itself failed
+            lines.append(f"ERROR: the launcher failed{stage}: {e['message']}")
+        else:
+            lines.append(f"ERROR: rank {e['rank']} failed{stage} (exit code {e['exitcode']}): {e['message']}")
+        if e["traceback"]:
+            tb = [ln for ln in e["traceback"].rstrip().splitlines() if ln.strip() and " at t=" not in ln]
+            # A stack dump starts with the innermost frame; a Python traceback ends with it.
+            tail = tb[:10] if "most recent call first" in e["traceback"] else tb[-8:]
+            lines += ["  " + ln for ln in tail]
+        if e["other_ranks"]:
+            lines.append(f"  ranks also stopped: {e['other_ranks']}")
+        if e["log_dir"] or result.get("log_dir"):
+            lines.append(f"  log: {e['log_dir'] or result['log_dir']}")
+        lines.append(f"VERDICT: ERROR ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
+    if "compared_on_node" in result:
+        word = verdict(result)
+        lines.append(f"node {result['node_rank']}: rank 0 on node 0 compared; its verdict: {word}")
+        lines.append(f"VERDICT: {word} ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
+    secs = result["rank_seconds"]
+    stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in RANK_STAGES if any(s in (r or {}) for r in secs)]
+    rss = result.get("rank_peak_rss_mib") or []
+    peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
+    lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
+    if result.get("bench"):
+        lines += bench_lines(result["bench"])
+    if result.get("unchecked"):
+        lines.append("VERDICT: UNCHECKED (golden=false: a performance run; no golden was computed and nothing "
+                     f"was compared) ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
+    lines.append(_reference_line(result))
+    if "groups" in result:  # several TP groups: each group's verdicts, its ranks named globally
+        for g in result["groups"]:
+            lines.append(f"group {g['group']} (global ranks {g['ranks'][0]}-{g['ranks'][-1]}, seed {g['seed']}): "
+                         f"{'PASS' if g['passed'] else 'FAIL'}")
+            lines += ["  " + ln for ln in _verdict_lines(g["verdicts"], g["ranks"])]
+    else:
+        lines += _verdict_lines(result["verdicts"])
+    if "recomputed_verdicts" in result:
+        lines.append("against the golden recomputed from the snapshot's in/:")
+        lines += _verdict_lines(result["recomputed_verdicts"])
+    if result.get("bisect"):
+        lines += render_bisect(result["bisect"]).splitlines()
+    failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
+    groups = [g["group"] for g in result.get("groups", []) if not g["passed"]]
+    where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}" if groups else ""
+    lines.append(f"VERDICT: {verdict(result)}" + (f" {failed}{where}" if failed else "") + f" ({result['wall_s']:.1f}s)")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def bench_lines(bench: dict) -> list[str]:
+    """The benchmark in one line (the round's slowest rank), plus the stages' share when timed."""
+    lines = [f"bench: {bench['rounds']} rounds after {bench['warmup']} warm-up, slowest rank per round: "
+             f"min {_ms(bench['min_s'])} | median {_ms(bench['median_s'])} | mean {_ms(bench['mean_s'])} | "
+             f"max {_ms(bench['max_s'])}"]
+    stages = bench.get("stages")
+    if stages:
+        total = sum(s["median_s"] for s in stages) or 1.0
+        cells = [f"{s['stage']}{' (collective)' if s['collective'] else ''} {_ms(s['median_s'])} "
+                 f"{100 * s['median_s'] / total:.0f}%" for s in stages]
+        lines.append("  stages (median of the slowest rank): " + " | ".join(cells))
+    if bench.get("profiles"):
+        lines.append(f"  profiles: {', '.join(bench['profiles'])}")
+    return lines
+
+
+def _reference_line(result: dict) -> str:
+    if result.get("reference") == "snapshot":
+        return f"reference: snapshot {result['golden_data']}/out"
+    hits = result.get("golden_cache_hits", [])
+    cached = f" (from the golden cache on ranks {hits})" if hits else ""
+    problems = "".join(f"; warning: golden cache {p}" for p in result.get("golden_cache_problems", []))
+    saved = f"; snapshot saved to {result['save_data']}" if result.get("save_data") else ""
+    return f"reference: golden{cached}{saved}{problems}"
+
+
+def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) -> list[str]:
+    """The verdicts' table; `global_ranks`: a TP group's ranks in the world, named beside the
+    group's own rank numbers."""
+    rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
+    for v in verdicts:
+        f = v.get("figures", {})
+        rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")), v["label"]])
+        for pr in v.get("per_rank", []):
+            rank = str(pr["rank"]) if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
+            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
+    lines = table_lines(rows)
+    for v in verdicts:
+        if not v["passed"]:
+            lines.append(f"{v['tensor']} FAIL ({v['label']})")
+            lines += v["detail"].splitlines()
+            lines += where_lines(v)
+    return lines
+
+
+def _bad(figures: dict) -> str:
+    if "n_bad" not in figures:
+        return "-"
+    return f"{figures['n_bad']}/{figures.get('numel', '?')}"
+
+
+# -- where the errors are ----------------------------------------------------------------------
+
+GRID_MAX_COLS = 16  # wider grids list their cells with bad points instead of drawing every cell
+LIST_MAX_CELLS = 12  # such cells listed per rank
+
+
+def where_lines(verdict: dict) -> list[str]:
+    """A failing verdict's grids as text: per rank, where its bad points are."""
+    lines = []
+    for g in verdict.get("where") or []:
+        total = sum(map(sum, g["bad"]))
+        if not total:
+            continue
+        each = f" ({g['cell']} each)" if g["cell"] else ""
+        lines.append(f"  where: {verdict['tensor']}: {total} bad points per rank and {g['cols']}{each}")
+        if len(g["col_labels"]) <= GRID_MAX_COLS:
+            rows = [[g["cols"], *g["col_labels"]]]
+            rows += [[f"rank {r}", *(str(v) if v else "." for v in row)] for r, row in enumerate(g["bad"])]
+            lines += ["    " + ln for ln in table_lines(rows)]
+        else:
+            for r, row in enumerate(g["bad"]):
+                cells = [(c, v) for c, v in enumerate(row) if v]
+                if not cells:
+                    lines.append(f"    rank {r}: none")
+                    continue
+                shown = ", ".join(f"{g['col_labels'][c]}: {v}" for c, v in cells[:LIST_MAX_CELLS])
+                more = f", ... {len(cells) - LIST_MAX_CELLS} more" if len(cells) > LIST_MAX_CELLS else ""
+                lines.append(f"    rank {r}: {sum(row)} in {len(cells)} of {len(row)} {g['cols']}s ({shown}{more})")
+        r, c = max(((r, c) for r in range(len(g["bad"])) for c in range(len(g["bad"][r]))),
+                   key=lambda rc: (g["bad"][rc[0]][rc[1]], g["max_abs_diff"][rc[0]][rc[1]]))
+        lines.append(f"    worst: rank {r}, {g['cols']} {g['col_labels'][c]}: "
+                     f"{g['bad'][r][c]}/{g['numel'][r][c]} bad, max|diff| {fmt(g['max_abs_diff'][r][c])}")
+    return lines

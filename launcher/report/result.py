@@ -1,0 +1,151 @@
+"""The run's result: the JSON-ready dict every run leaves as `result.json`, and its exit status.
+
+A result is `status` ("ok" or "error"), `passed`, the case, per-tensor verdicts with pooled
+and per-rank figures, per-rank stage times, and on error the root-cause rank, stage, message,
+traceback and log folder. Rendering (`launcher.report.console`) and the sweep's summary
+(`launcher.report.sweep`) never need anything but that dict.
+
+A run that never reached the ranks still leaves a result, so that every job of a sweep has
+one: status "config-error" (refused by the preflight), "skipped" (a sweep with fail_fast after
+a failed job) or "error" with stage "launcher" (the launcher process itself raised).
+
+Where the errors are: a failing verdict may carry `where`, the grids of `launcher.verify.where`
+(bad points per rank x token block / hc copy / physical block).
+
+`write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`),
+`exit_code` the one rule from a result to the process's exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import traceback
+
+import torch
+
+from launcher.config.spec import RunSpec
+
+# The exit status of a run: every compared tensor passed, a mismatch, anything else (an
+# invalid config, a crashed or hung rank, an implementation that broke the contract).
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+
+def verdict(result: dict) -> str:
+    """PASS / FAIL; UNCHECKED for a performance-only run (golden=false: nothing was compared);
+    ERROR for a run that failed or was refused; SKIP for a fail_fast skip."""
+    if result["status"] == "skipped":
+        return "SKIP"
+    if result["status"] != "ok":
+        return "ERROR"
+    if result.get("unchecked"):
+        return "UNCHECKED"
+    return "PASS" if result["passed"] else "FAIL"
+
+
+def exit_code(result: dict) -> int:
+    """0 PASS (and UNCHECKED: a performance-only run that ran), 1 FAIL, 2 anything else."""
+    return {"PASS": EXIT_PASS, "UNCHECKED": EXIT_PASS, "FAIL": EXIT_FAIL}.get(verdict(result), EXIT_ERROR)
+
+
+def write_result(output_dir: str, result: dict, job: dict | None = None) -> None:
+    """result.json, written whole or not at all; a sweep's job carries its `job` entry
+    (`launcher.report.sweep.job_entry`)."""
+    os.makedirs(output_dir, exist_ok=True)
+    result = {**result, "verdict": verdict(result)}
+    if job is not None:
+        result["job"] = job
+    path = os.path.join(output_dir, "result.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None, log_dir: str,
+                 wall_s: float) -> dict:
+    """The result of a launched run. `rank_result`: what this node's comparing rank returned
+    (`launcher.run.worker.rank_main`; None when a rank failed); `error`: the root-cause rank's
+    failure (`launcher.run.launch.RankFailure`, as a dict) or None."""
+    result = {
+        "case": spec.case_entry(),
+        "model_fields": spec.case.model.fields(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "wall_s": round(wall_s, 3),
+        "log_dir": log_dir,
+    }
+    if error is not None:
+        result.update(status="error", passed=False, error=error)
+        return result
+    r = rank_result
+    result["node_rank"] = spec.node_rank
+    if not r["reporting"]:  # a node without rank 0: the verdict rank 0 broadcast
+        result.update(status="ok", passed=bool(r["passed"]), verdicts=[], compared_on_node=0)
+        if r["passed"] is None:
+            result.update(passed=False, unchecked=True)
+        return result
+    result.update(
+        status="ok", rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
+        golden_cache_problems=r["golden_cache_problems"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
+        golden_data=spec.golden_data, save_data=spec.save_data,
+    )
+    if r.get("bench") is not None:
+        result["bench"] = r["bench"]
+    groups = [_group_entry(g) for g in r["groups"]]
+    if groups[0]["verdicts"] is None:  # golden=false: a performance-only run, nothing compared
+        result.update(passed=False, unchecked=True, reference=None, verdicts=[])
+        return result
+    # The top level is the first group that did not pass (group 0 when all did); with several
+    # TP groups, `groups` holds each group's own verdicts.
+    shown = next((g for g in groups if not g["passed"]), groups[0])
+    result.update(passed=all(g["passed"] for g in groups), reference=shown["reference"], verdicts=shown["verdicts"])
+    for key in ("recomputed_verdicts", "bisect"):
+        if key in shown:
+            result[key] = shown[key]
+    if spec.dp > 1:
+        result["groups"] = groups
+    return result
+
+
+def _group_entry(group: dict) -> dict:
+    """One TP group's verdicts: against the snapshot when one is replayed, else the computed
+    golden (the recomputed golden beside a snapshot as `recomputed_verdicts`)."""
+    entry = {"group": group["group"], "ranks": group["ranks"], "seed": group["seed"]}
+    comparisons = group["comparisons"]
+    if comparisons is None:
+        return {**entry, "passed": None, "reference": None, "verdicts": None}
+    primary = "snapshot" if "snapshot" in comparisons else "golden"
+    verdicts = comparisons[primary]
+    entry.update(reference=primary, verdicts=verdicts,
+                 passed=all(v["passed"] for vs in comparisons.values() for v in vs))
+    if primary == "snapshot" and "golden" in comparisons:
+        entry["recomputed_verdicts"] = comparisons["golden"]
+    if group.get("bisect") is not None:
+        entry["bisect"] = group["bisect"]
+    return entry
+
+
+# -- results of runs that never reached the ranks ----------------------------------------------
+
+
+def not_launched(case: dict, status: str, message: str, *, wall_s: float, stage: str | None = None,
+                 trace: str = "") -> dict:
+    """The result of a run that started no rank (status config-error, skipped or error)."""
+    return {
+        "case": case,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "wall_s": round(wall_s, 3),
+        "status": status,
+        "passed": False,
+        "error": {"rank": None, "stage": stage, "message": message, "traceback": trace, "exitcode": None,
+                  "log_dir": None, "other_ranks": []},
+    }
+
+
+def launcher_error(case: dict, exc: BaseException, *, wall_s: float) -> dict:
+    """The result of a run whose launcher process raised (a bug or a broken environment)."""
+    trace = "".join(traceback.format_exception(exc))
+    return not_launched(case, "error", f"{type(exc).__name__}: {exc}", wall_s=wall_s, stage="launcher", trace=trace)

@@ -1,0 +1,1 @@
+"""Tensors on disk: the reference snapshot layout and the golden cache."""
