@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import time
 from collections.abc import Mapping
 from functools import lru_cache
@@ -91,12 +92,14 @@ def _mark_used(path: Path) -> None:
 
 def entries(root: str) -> list[tuple[Path, int]]:
     """The folder's entries, least recently used first, with their sizes (temp files of
-    writers in progress are not entries; one that vanishes while listed is skipped)."""
+    writers in progress and anything not a regular file are not entries; one that vanishes
+    while listed is skipped)."""
     found = []
     for path in Path(root).glob("*.pt"):
         with contextlib.suppress(OSError):
             st = path.stat()
-            found.append((st.st_mtime_ns, path.name, path, st.st_size))
+            if stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime_ns, path.name, path, st.st_size))
     return [(path, size) for _, _, path, size in sorted(found)]
 
 
