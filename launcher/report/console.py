@@ -4,13 +4,24 @@
 the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank), each
 failing tensor's comparator account, where its errors are (the grids of
 `launcher.verify.where`, as text), the bisect table when there is one, and the verdict line.
-`fmt` and `table_lines` are the number and table formats the sweep's table shares.
+`fmt` and `table_lines` are the number and table formats the sweep's table shares, `verdict`
+the one word for a result that its rows and the HTML pages show.
 """
 
 from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.verify.bisect import render as render_bisect
+
+
+# A result's verdict by its status: a run that compared is PASS or FAIL by its comparisons; one
+# that did not is ERROR (a crash, a refused config) or SKIP (fail_fast).
+VERDICTS = {"ok": None, "error": "ERROR", "config-error": "ERROR", "skipped": "SKIP"}
+
+
+def verdict(result: dict) -> str:
+    """PASS, FAIL, ERROR or SKIP: the one word for a result (sweep rows, pages)."""
+    return VERDICTS.get(result["status"], "ERROR") or ("PASS" if result["passed"] else "FAIL")
 
 
 def fmt(v) -> str:
@@ -20,6 +31,16 @@ def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}"
     return str(v)
+
+
+def starts_text(start_pos) -> str:
+    """A case's start positions in a table cell: the canonical set, one, or a list's first few."""
+    if start_pos is None:
+        return "canonical"
+    if isinstance(start_pos, list):
+        head = ",".join(str(s) for s in start_pos[:3])
+        return f"[{head},...]({len(start_pos)})" if len(start_pos) > 3 else f"[{head}]"
+    return str(start_pos)
 
 
 def table_lines(rows: list[list[str]]) -> list[str]:
@@ -67,7 +88,7 @@ def render(result: dict) -> str:
     rss = result.get("rank_peak_rss_mib") or []
     peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
     lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
-    lines.append(_reference_line(result))
+    lines.append(reference_line(result))
     lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
@@ -80,7 +101,8 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _reference_line(result: dict) -> str:
+def reference_line(result: dict) -> str:
+    """Which reference the verdicts compare against: the golden (and from where) or a snapshot."""
     if result.get("reference") == "snapshot":
         return f"reference: snapshot {result['golden_data']}/out"
     hits = result.get("golden_cache_hits", [])

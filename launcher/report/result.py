@@ -12,7 +12,8 @@ a failed job) or "error" with stage "launcher" (the launcher process itself rais
 Where the errors are: a failing verdict may carry `where`, the grids of `launcher.verify.where`
 (bad points per rank x token block / hc copy / physical block).
 
-`write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`),
+`write_result` is the one writer of result.json and of the run's report.html (`python -m
+launcher` and `launcher.torchrun`),
 `exit_code` the one rule from a result to the process's exit status.
 """
 
@@ -26,6 +27,7 @@ import traceback
 import torch
 
 from launcher.config.spec import RunSpec
+from launcher.report.run_page import write_page
 
 # The exit status of a run: every compared tensor passed, a mismatch, anything else (an
 # invalid config, a crashed or hung rank, an implementation that broke the contract).
@@ -40,8 +42,9 @@ def exit_code(result: dict) -> int:
 
 
 def write_result(output_dir: str, result: dict, job: dict | None = None) -> None:
-    """result.json, written whole or not at all; a sweep's job carries its `job` entry
-    (`launcher.report.sweep.job_entry`)."""
+    """result.json, written whole or not at all, and its page report.html beside it
+    (`launcher.report.run_page`; a page that cannot be written is a warning, never the run's
+    outcome); a sweep's job carries its `job` entry (`launcher.report.sweep.job_entry`)."""
     os.makedirs(output_dir, exist_ok=True)
     if job is not None:
         result = {**result, "job": job}
@@ -50,6 +53,7 @@ def write_result(output_dir: str, result: dict, job: dict | None = None) -> None
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
     os.replace(tmp, path)
+    write_page(output_dir, result)
 
 
 def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None, log_dir: str,
