@@ -7,6 +7,7 @@ each job starts and ends, and at the end of the multirun writes, into the sweep 
   one entry per job (its overrides, case, verdict, worst tensor and figures, message, wall time);
 * `junit.xml`: one testsuite, one testcase per job; a FAIL carries the comparators' messages
   as `<failure>`, a crashed or refused job an `<error>`, a fail_fast skip `<skipped>`;
+* `report.html`: the same jobs as a page, each linking to its own (`launcher.report.sweep_page`);
 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
 (`launcher.cli.execute` writes one for every outcome), so a crashed job has its row too.
@@ -31,11 +32,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.report import progress
-from launcher.report.console import fmt, table_lines
+from launcher.report.console import fmt, starts_text, table_lines, verdict
+from launcher.report.sweep_page import write_sweep_page
 from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 
-# A job's verdict by its result status; an "ok" run is PASS or FAIL by its comparisons.
-VERDICTS = {"ok": None, "error": "ERROR", "config-error": "ERROR", "skipped": "SKIP"}
 SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP"}
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
 # which already decides the sweep's status.
@@ -78,7 +78,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         n_bad=figures.get("n_bad"),
         numel=figures.get("numel"),
     )
-    row["verdict"] = VERDICTS.get(result["status"], "ERROR") or ("PASS" if result["passed"] else "FAIL")
+    row["verdict"] = verdict(result)
     row["exit_code"] = EXIT_CODES[row["verdict"]]
     if result["status"] != "ok":
         e = result["error"]
@@ -93,15 +93,6 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
     return row
 
 
-def _starts_text(start_pos) -> str:
-    if start_pos is None:
-        return "canonical"
-    if isinstance(start_pos, list):
-        head = ",".join(str(s) for s in start_pos[:3])
-        return f"[{head},...]({len(start_pos)})" if len(start_pos) > 3 else f"[{head}]"
-    return str(start_pos)
-
-
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
     head = ["job", "layer", "scope", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad", "wall_s"]
@@ -109,7 +100,7 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
         cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
-                      fmt(r.get("local_t")), _starts_text(r.get("start_pos")), r["verdict"], fmt(r.get("tensor")),
+                      fmt(r.get("local_t")), starts_text(r.get("start_pos")), r["verdict"], fmt(r.get("tensor")),
                       fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
     lines = table_lines(cells)
     for r in rows:
@@ -244,17 +235,19 @@ def collect_rows(sweep_dir: str, interrupted: bool = False) -> list[dict]:
 
 
 def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
-    """summary.json, junit.xml and the table of the sweep in `sweep_dir`; its exit status."""
+    """summary.json, junit.xml, report.html and the table of the sweep in `sweep_dir`; its exit
+    status."""
     rows = collect_rows(sweep_dir, interrupted)
     counts = {name: sum(r["verdict"] == v for r in rows) for name, v in SUMMARY_COUNTS.items()}
     summary = {"sweep_dir": os.path.abspath(sweep_dir), "n_jobs": len(rows), **counts, "interrupted": interrupted,
                "jobs": rows}
     _write_json(os.path.join(sweep_dir, "summary.json"), summary)
     junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
+    page = write_sweep_page(sweep_dir, summary)
     print("\n".join(table(rows)))
     print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
           f"{counts['skipped']} skipped of {len(rows)}{' (interrupted)' if interrupted else ''}; "
-          f"summary.json and junit.xml in {sweep_dir}")
+          f"summary.json, junit.xml{' and report.html' if page else ''} in {sweep_dir}")
     return exit_status(rows)
 
 
