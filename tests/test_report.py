@@ -204,3 +204,27 @@ def test_a_defective_rank_is_located_end_to_end(tp_run):
         assert _png_size(open(png, "rb").read())[0] > 300
     else:
         assert run.result["plots"] == []
+
+
+def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
+    """scripts/bench.py's scaling plot: wall time against tp and against local_t, drawn by matplotlib."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    from .conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    scaling = {"tp": {"tiny swa": {1: 1.6, 2: 1.8, 4: 2.0, 8: 2.2}, "flash csa": {1: 4.0, 2: 5.0, 4: 8.6, 8: 17.1}},
+               "local_t": {"tiny swa": {8: 1.7, 16: 1.8}, "flash csa": {16: 4.4, 64: 5.0, 256: 8.9}}}
+    fig = bench.scaling_figure(scaling)
+    left, right = fig.axes
+    assert (left.get_xlabel(), right.get_xlabel()) == ("tp", "local_t (tokens per rank)")
+    assert left.get_xscale() == right.get_xscale() == "log" and left.get_yscale() == "log"
+    assert [t.get_text() for t in left.get_xticklabels()] == ["1", "2", "4", "8"]
+    assert [t.get_text() for t in right.get_xticklabels()] == ["8", "16", "64", "256"]
+    assert [ln.get_label() for ln in left.lines] == ["tiny swa", "flash csa"]
+    assert list(right.lines[1].get_ydata()) == [4.4, 5.0, 8.9]
+    assert _png_size(plots.png(fig))[0] == 1200
