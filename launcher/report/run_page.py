@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import re
+import sys
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.report import plots
@@ -43,8 +44,6 @@ def write_page(output_dir: str, result: dict) -> str | None:
     try:
         text = render(result, output_dir)
     except Exception as e:  # a result shape the page does not know: the run itself stands
-        import sys
-
         print(f"warning: {os.path.join(output_dir, PAGE)} not written: {type(e).__name__}: {e}", file=sys.stderr)
         return None
     return write(os.path.join(output_dir, PAGE), text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from launcher.report import plots
 from launcher.report.console import fmt, starts_text
@@ -44,8 +45,6 @@ def write_sweep_page(sweep_dir: str, summary: dict) -> str | None:
     try:
         text = render(summary, sweep_dir)
     except Exception as e:  # never worth the sweep's summary or exit status
-        import sys
-
         print(f"warning: {os.path.join(sweep_dir, PAGE)} not written: {type(e).__name__}: {e}", file=sys.stderr)
         return None
     return write(os.path.join(sweep_dir, PAGE), text)
