@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.report import plots
-from launcher.report.result import write_result
-from launcher.report.run_page import render, write_page
+from launcher.report.run_page import render, write_page, write_result_and_page
 from launcher.report.sweep_page import write_sweep_page
 
 CASE = {"layer": "swa", "scope": "full", "model": "tiny", "tp": 2, "local_t": 16, "seed": 1, "start_pos": None,
@@ -119,7 +118,7 @@ def test_log_links_are_relative_and_point_at_each_ranks_files(tmp_path):
         (d / "stderr.log").write_text(f"rank {rank} err\n")
     (out / "launcher.log").write_text("launcher\n")
     result = ok_result(True, log_dir=str(out / "logs"))
-    write_result(str(out), result)
+    write_result_and_page(str(out), result)
     page = (out / "report.html").read_text()
     hrefs = [h for h in re.findall(r'href="([^"#]*)"', page) if h and not h.startswith("data:")]
     assert "logs/swa-tp2-abc/attempt_0/1/stderr.log" in hrefs and "launcher.log" in hrefs and "result.json" in hrefs
@@ -207,7 +206,7 @@ def test_a_figure_that_fails_leaves_a_note_and_the_rest_of_the_page(monkeypatch)
 
 
 def test_a_page_that_cannot_be_rendered_is_a_warning_not_the_runs_outcome(tmp_path, capsys):
-    write_result(str(tmp_path), {"status": "ok", "passed": True})  # no case: the page cannot say what ran
+    write_result_and_page(str(tmp_path), {"status": "ok", "passed": True})  # no case: the page cannot say what ran
     assert json.loads((tmp_path / "result.json").read_text())["passed"] is True
     assert not (tmp_path / "report.html").exists()
     assert "report.html not written: KeyError" in capsys.readouterr().err
@@ -223,7 +222,7 @@ def _sweep(tmp_path: Path) -> tuple[Path, dict]:
                                            ("csa", crashed())]):
         out = sweep_dir / str(num)
         result = {**result, "case": {**CASE, "layer": layer}}
-        write_result(str(out), result, {"num": num, "overrides": [f"layer={layer}"], "sweep_id": "x"})
+        write_result_and_page(str(out), result, {"num": num, "overrides": [f"layer={layer}"], "sweep_id": "x"})
         word = {"ok": "PASS" if result["passed"] else "FAIL"}.get(result["status"], "ERROR")
         rows.append({"job": num, "overrides": [f"layer={layer}"], "output_dir": str(out), "layer": layer,
                      "scope": "full", "model": "tiny", "tp": 2, "local_t": 16, "start_pos": None, "verdict": word,

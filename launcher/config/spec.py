@@ -35,6 +35,16 @@ DEFAULT_IMPL = "layers.tp.TorchTP"
 
 
 @dataclass(frozen=True)
+class BenchSpec:
+    """Benchmark mode (`launcher.run.bench`): timed rounds after the validated step."""
+
+    rounds: int
+    warmup: int = 0
+    stages: bool = False  # time every stage of a stage-based implementation
+    profile: bool = False  # torch.profiler traces of the timed rounds, one per rank
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """Everything a rank needs to run its part of one case, and how the launcher reports it
     (picklable, no OmegaConf)."""
@@ -58,6 +68,8 @@ class RunSpec:
     nproc_per_node: int = 0  # ranks on this node; 0 means tp / nnodes
     bisect: bool = False  # after a failing full run, locate the first divergent stage and rank
     report_plots: bool = False  # PNG heat maps of a failing tensor's errors (drawn by the launcher)
+    golden: bool = True  # False: a performance-only run, no golden and no comparison (UNCHECKED)
+    bench: Optional[BenchSpec] = None  # benchmark rounds after the validated step
 
     @property
     def layer(self) -> Layer:
@@ -144,10 +156,11 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     timeout_s = default_timeout_s(model) if cfg.timeout_s is None else float(cfg.timeout_s)
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
+    golden, bench = _performance(cfg)
     fault = None
     if cfg.fault.kind is not None:
         fault = Fault(kind=str(cfg.fault.kind), rank=int(cfg.fault.rank), stage=str(cfg.fault.stage))
-        fault.check(tp, saves=bool(cfg.save_data))
+        fault.check(tp, _absent_stages(cfg, golden, bench))
     else:
         check_fault_unset(int(cfg.fault.rank), str(cfg.fault.stage), tp)
     if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
@@ -177,6 +190,8 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         fault=fault,
         bisect=bool(cfg.bisect),
         report_plots=bool(cfg.report.plots),
+        golden=golden,
+        bench=bench,
         **_nodes(cfg, tp),
     )
 
@@ -197,6 +212,38 @@ def validated_spec(cfg: DictConfig, output_dir: str, *,
             spec = dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=fixed))
     validated(spec.case)  # the one validation of a case: its TP rules, then its layer's
     return spec
+
+
+def _performance(cfg: DictConfig) -> tuple[bool, Optional[BenchSpec]]:
+    """`golden` and the benchmark: golden=false skips golden and comparison (a performance run
+    of a case already validated), so it cannot be replayed against, saved or bisected."""
+    rounds, warmup = int(cfg.bench.rounds), int(cfg.bench.warmup)
+    if rounds < 0 or warmup < 0:
+        raise ConfigError(f"bench.rounds={rounds} and bench.warmup={warmup} must be >= 0")
+    if rounds == 0 and (warmup or cfg.bench.stages or cfg.profile):
+        given = "bench.warmup" if warmup else "bench.stages=true" if cfg.bench.stages else "profile=true"
+        raise ConfigError(f"{given} applies to benchmark rounds: set bench.rounds=N (N > 0)")
+    golden = bool(cfg.golden)
+    if not golden:
+        for key in ("golden_data", "save_data"):
+            if cfg[key]:
+                raise ConfigError(f"golden=false runs no golden: it cannot go with {key}={cfg[key]}")
+        if cfg.bisect:
+            raise ConfigError("golden=false runs no golden: bisect=true has nothing to compare against")
+    bench = BenchSpec(rounds, warmup, bool(cfg.bench.stages), bool(cfg.profile)) if rounds else None
+    return golden, bench
+
+
+def _absent_stages(cfg: DictConfig, golden: bool, bench: Optional[BenchSpec]) -> dict[str, str]:
+    """The rank stages this run will not have, each with the key that would add it."""
+    absent = {}
+    if not cfg.save_data:
+        absent["save"] = "save_data=DIR"
+    if bench is None:
+        absent["bench"] = "bench.rounds=N"
+    if not golden:
+        absent.update(golden="golden=true", compare="golden=true")
+    return absent
 
 
 def _nodes(cfg: DictConfig, tp: int) -> dict:

@@ -4,24 +4,15 @@
 the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank), each
 failing tensor's comparator account, where its errors are (the grids of
 `launcher.verify.where`, as text), the bisect table when there is one, and the verdict line.
-`fmt` and `table_lines` are the number and table formats the sweep's table shares, `verdict`
-the one word for a result that its rows and the HTML pages show.
+`fmt`, `starts_text` and `table_lines` are the formats the sweep's table and the HTML pages
+share.
 """
 
 from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
+from launcher.report.result import verdict
 from launcher.verify.bisect import render as render_bisect
-
-
-# A result's verdict by its status: a run that compared is PASS or FAIL by its comparisons; one
-# that did not is ERROR (a crash, a refused config) or SKIP (fail_fast).
-VERDICTS = {"ok": None, "error": "ERROR", "config-error": "ERROR", "skipped": "SKIP"}
-
-
-def verdict(result: dict) -> str:
-    """PASS, FAIL, ERROR or SKIP: the one word for a result (sweep rows, pages)."""
-    return VERDICTS.get(result["status"], "ERROR") or ("PASS" if result["passed"] else "FAIL")
 
 
 def fmt(v) -> str:
@@ -79,15 +70,21 @@ def render(result: dict) -> str:
         lines.append(f"VERDICT: ERROR ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     if "compared_on_node" in result:
-        verdict = "PASS" if result["passed"] else "FAIL"
-        lines.append(f"node {result['node_rank']}: rank 0 on node 0 compared; its verdict: {verdict}")
-        lines.append(f"VERDICT: {verdict} ({result['wall_s']:.1f}s)")
+        word = verdict(result)
+        lines.append(f"node {result['node_rank']}: rank 0 on node 0 compared; its verdict: {word}")
+        lines.append(f"VERDICT: {word} ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     secs = result["rank_seconds"]
     stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in RANK_STAGES if any(s in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
     peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
     lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
+    if result.get("bench"):
+        lines += bench_lines(result["bench"])
+    if result.get("unchecked"):
+        lines.append("VERDICT: UNCHECKED (golden=false: a performance run; no golden was computed and nothing "
+                     f"was compared) ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
     lines.append(reference_line(result))
     lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:
@@ -99,6 +96,26 @@ def render(result: dict) -> str:
     failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
     lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def bench_lines(bench: dict) -> list[str]:
+    """The benchmark in one line (the round's slowest rank), plus the stages' share when timed."""
+    lines = [f"bench: {bench['rounds']} rounds after {bench['warmup']} warm-up, slowest rank per round: "
+             f"min {_ms(bench['min_s'])} | median {_ms(bench['median_s'])} | mean {_ms(bench['mean_s'])} | "
+             f"max {_ms(bench['max_s'])}"]
+    stages = bench.get("stages")
+    if stages:
+        total = sum(s["median_s"] for s in stages) or 1.0
+        cells = [f"{s['stage']}{' (collective)' if s['collective'] else ''} {_ms(s['median_s'])} "
+                 f"{100 * s['median_s'] / total:.0f}%" for s in stages]
+        lines.append("  stages (median of the slowest rank): " + " | ".join(cells))
+    if bench.get("profiles"):
+        lines.append(f"  profiles: {', '.join(bench['profiles'])}")
+    return lines
 
 
 def reference_line(result: dict) -> str:

@@ -12,8 +12,8 @@ a failed job) or "error" with stage "launcher" (the launcher process itself rais
 Where the errors are: a failing verdict may carry `where`, the grids of `launcher.verify.where`
 (bad points per rank x token block / hc copy / physical block).
 
-`write_result` is the one writer of result.json and of the run's report.html (`python -m
-launcher` and `launcher.torchrun`),
+`write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`,
+through `launcher.report.run_page.write_result_and_page`, which adds the run's report.html),
 `exit_code` the one rule from a result to the process's exit status.
 """
 
@@ -27,33 +27,42 @@ import traceback
 import torch
 
 from launcher.config.spec import RunSpec
-from launcher.report.run_page import write_page
 
 # The exit status of a run: every compared tensor passed, a mismatch, anything else (an
 # invalid config, a crashed or hung rank, an implementation that broke the contract).
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
-def exit_code(result: dict) -> int:
-    """0 PASS, 1 FAIL; 2 for a result that is not a verdict (error, config-error, skipped)."""
+def verdict(result: dict) -> str:
+    """PASS / FAIL; UNCHECKED for a performance-only run (golden=false: nothing was compared);
+    ERROR for a run that failed or was refused; SKIP for a fail_fast skip."""
+    if result["status"] == "skipped":
+        return "SKIP"
     if result["status"] != "ok":
-        return EXIT_ERROR
-    return EXIT_PASS if result["passed"] else EXIT_FAIL
+        return "ERROR"
+    if result.get("unchecked"):
+        return "UNCHECKED"
+    return "PASS" if result["passed"] else "FAIL"
 
 
-def write_result(output_dir: str, result: dict, job: dict | None = None) -> None:
-    """result.json, written whole or not at all, and its page report.html beside it
-    (`launcher.report.run_page`; a page that cannot be written is a warning, never the run's
-    outcome); a sweep's job carries its `job` entry (`launcher.report.sweep.job_entry`)."""
+def exit_code(result: dict) -> int:
+    """0 PASS (and UNCHECKED: a performance-only run that ran), 1 FAIL, 2 anything else."""
+    return {"PASS": EXIT_PASS, "UNCHECKED": EXIT_PASS, "FAIL": EXIT_FAIL}.get(verdict(result), EXIT_ERROR)
+
+
+def write_result(output_dir: str, result: dict, job: dict | None = None) -> dict:
+    """result.json, written whole or not at all; a sweep's job carries its `job` entry
+    (`launcher.report.sweep.job_entry`). Returns the dict written (with its verdict and job)."""
     os.makedirs(output_dir, exist_ok=True)
+    result = {**result, "verdict": verdict(result)}
     if job is not None:
-        result = {**result, "job": job}
+        result["job"] = job
     path = os.path.join(output_dir, "result.json")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
     os.replace(tmp, path)
-    write_page(output_dir, result)
+    return result
 
 
 def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None, log_dir: str,
@@ -74,17 +83,24 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
         return result
     r = rank_result
     result["node_rank"] = spec.node_rank
-    if r["comparisons"] is None:  # a node without rank 0: the verdict rank 0 broadcast
+    if not r["reporting"]:  # a node without rank 0: the verdict rank 0 broadcast
         result.update(status="ok", passed=bool(r["passed"]), verdicts=[], compared_on_node=0)
+        if r["passed"] is None:
+            result.update(passed=False, unchecked=True)
         return result
-    # The primary reference is the snapshot when one is replayed, else the computed golden.
-    primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
     result.update(
-        status="ok", passed=bool(r["passed"]), reference=primary, verdicts=r["comparisons"][primary],
-        rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
+        status="ok", rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
         golden_cache_problems=r["golden_cache_problems"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
         golden_data=spec.golden_data, save_data=spec.save_data,
     )
+    if r.get("bench") is not None:
+        result["bench"] = r["bench"]
+    if r["comparisons"] is None:  # golden=false: a performance-only run, nothing compared
+        result.update(passed=False, unchecked=True, reference=None, verdicts=[])
+        return result
+    # The primary reference is the snapshot when one is replayed, else the computed golden.
+    primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
+    result.update(passed=bool(r["passed"]), reference=primary, verdicts=r["comparisons"][primary])
     if r.get("bisect") is not None:
         result["bisect"] = r["bisect"]
     if primary == "snapshot" and "golden" in r["comparisons"]:

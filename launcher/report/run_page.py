@@ -19,7 +19,7 @@ import sys
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.report import plots
-from launcher.report.console import fmt, reference_line, starts_text, verdict, where_lines
+from launcher.report.console import fmt, reference_line, starts_text, where_lines
 from launcher.report.page import (
     Raw,
     badge,
@@ -34,8 +34,17 @@ from launcher.report.page import (
     table,
     write,
 )
+from launcher.report.result import verdict, write_result
 
 PAGE = "report.html"
+
+
+def write_result_and_page(output_dir: str, result: dict, job: dict | None = None) -> dict:
+    """result.json (`launcher.report.result.write_result`) and report.html beside it: what every
+    run leaves, whatever its outcome. Returns the result as written."""
+    written = write_result(output_dir, result, job)
+    write_page(output_dir, written)
+    return written
 
 
 def write_page(output_dir: str, result: dict) -> str | None:

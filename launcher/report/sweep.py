@@ -32,14 +32,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.report import progress
-from launcher.report.console import fmt, starts_text, table_lines, verdict
+from launcher.report.console import fmt, starts_text, table_lines
+from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, verdict
 from launcher.report.sweep_page import write_sweep_page
-from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 
-SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP"}
+SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP", "unchecked": "UNCHECKED"}
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
 # which already decides the sweep's status.
-EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS}
+EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS, "UNCHECKED": EXIT_PASS}
 
 
 # -- one row per job ---------------------------------------------------------------------------
@@ -80,6 +80,8 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
     )
     row["verdict"] = verdict(result)
     row["exit_code"] = EXIT_CODES[row["verdict"]]
+    if result.get("bench"):
+        row["bench_median_s"] = result["bench"]["median_s"]
     if result["status"] != "ok":
         e = result["error"]
         # Named once: a message that already says which rank or stage is kept as it is.
@@ -96,15 +98,19 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
     head = ["job", "layer", "scope", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad", "wall_s"]
-    cells = [head]
+    benched = any(r.get("bench_median_s") is not None for r in rows)
+    cells = [head + ["bench_ms"] if benched else head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
         cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
                       fmt(r.get("local_t")), starts_text(r.get("start_pos")), r["verdict"], fmt(r.get("tensor")),
                       fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
+        if benched:
+            median = r.get("bench_median_s")
+            cells[-1].append(fmt(median * 1e3) if median is not None else "-")
     lines = table_lines(cells)
     for r in rows:
-        if r["verdict"] != "PASS":
+        if r["verdict"] not in ("PASS", "UNCHECKED"):
             lines.append(f"job {r['job']} {r['verdict']}: {r['message']}  ({r['output_dir']})")
     return lines
 
@@ -140,6 +146,9 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
             el.text = _xml_text(r.get("traceback") or r["message"])
         elif r["verdict"] == "SKIP":
             ET.SubElement(tc, "skipped", {"message": _xml_text(r["message"])})
+        if r.get("bench_median_s") is not None:
+            props = ET.SubElement(tc, "properties")
+            ET.SubElement(props, "property", {"name": "bench_median_s", "value": repr(r["bench_median_s"])})
         out = ET.SubElement(tc, "system-out")
         out.text = f"output_dir: {r['output_dir']}"
     ET.indent(root)
@@ -245,7 +254,8 @@ def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
     junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
     page = write_sweep_page(sweep_dir, summary)
     print("\n".join(table(rows)))
-    print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+    unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
+    print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors{unchecked}, "
           f"{counts['skipped']} skipped of {len(rows)}{' (interrupted)' if interrupted else ''}; "
           f"summary.json, junit.xml{' and report.html' if page else ''} in {sweep_dir}")
     return exit_status(rows)

@@ -46,7 +46,7 @@ from layers.distributed import wire
 from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.run import devices, faults, forkserver
+from launcher.run import bench, devices, faults, forkserver
 from launcher.store import golden_cache, snapshot
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
@@ -284,15 +284,16 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
-    with timer.stage("golden"):
-        references, cache_status = {}, None
-        if spec.golden_data:
-            references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
-        if not spec.golden_data or spec.recompute_golden:
-            references["golden"], cache_status = cached_golden(spec, layer, inputs, rank, wo_full)
-        del wo_full
-        context = {n: inputs[n].clone() for n in mappings}
-        context.update({initial_key(n): inputs[n].clone() for n in inout})
+    references, cache_status, context = {}, None, {}
+    if spec.golden:
+        with timer.stage("golden"):
+            if spec.golden_data:
+                references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
+            if not spec.golden_data or spec.recompute_golden:
+                references["golden"], cache_status = cached_golden(spec, layer, inputs, rank, wo_full)
+            context = {n: inputs[n].clone() for n in mappings}
+            context.update({initial_key(n): inputs[n].clone() for n in inout})
+    del wo_full
     if spec.save_data:
         with timer.stage("save"):
             stacked_in = gather_to_rank0(inputs, in_names, rank, tp, device)
@@ -300,41 +301,62 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
             if rank == 0:
                 snapshot.save(spec.save_data, case, specs, stacked_in, stacked_out, _starts(stacked_in, case))
             del stacked_in, stacked_out
+    ctx = RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD)
     with timer.stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
-        outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
+        # The benchmark restores the in-out tensors to their values before the step.
+        pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
+        outputs = impl(ctx, tensors)
         faults.on_outputs(spec.fault, rank, outputs, case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with timer.stage("gather"):
-        del tensors, inputs  # what the outputs do not alias is freed before rank 0 stacks
+        if not spec.bench:
+            del tensors  # what the outputs do not alias is freed before rank 0 stacks
+        del inputs
         release_freed_memory()  # glibc keeps freed heap resident; the stacks are new mappings
         actual = gather_to_rank0(outputs, compared, rank, tp, device)
         del outputs
         expected = {src: gather_to_rank0(ref, compared, rank, tp, device) for src, ref in references.items()}
         context = gather_to_rank0(context, sorted(context), rank, tp, device)
-        stats = [None] * tp if rank == 0 else None
-        dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
-                           stats, dst=0)
+    bench_figures = None
+    if spec.bench:
+        with timer.stage("bench"):
+            trace = os.path.join(spec.output_dir, "profile", f"rank{rank}.json") if spec.bench.profile else None
+            if trace:
+                os.makedirs(os.path.dirname(trace), exist_ok=True)
+            times = bench.run_rounds(impl, ctx, tensors, pristine, spec.bench, trace)
+            del tensors, pristine
+            every = [None] * tp if rank == 0 else None
+            dist.gather_object(times, every, dst=0)
+            if rank == 0:
+                bench_figures = bench.summarize(spec.bench, every)
+                if trace:
+                    bench_figures["profiles"] = [os.path.join("profile", f"rank{r}.json") for r in range(tp)]
+    stats = [None] * tp if rank == 0 else None
+    dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
+                       stats, dst=0)
     comparisons = None
-    if rank == 0:
+    if rank == 0 and spec.golden:
         with timer.stage("compare"):
             comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
-    # Every rank learns the verdict, so every node exits with rank 0's verdict code.
-    verdict = [all(v["passed"] for vs in comparisons.values() for v in vs) if rank == 0 else None]
+    # Every rank learns the verdict (None: nothing was compared), so every node exits with rank
+    # 0's verdict code.
+    verdict = [all(v["passed"] for vs in comparisons.values() for v in vs) if comparisons is not None else None]
     dist.broadcast_object_list(verdict, src=0)
     located = None
     if spec.bisect and not verdict[0]:
         with timer.stage("bisect"):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
             fresh = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs) if spec.golden_data else layer.rank_inputs(case, rank)
-            ctx = RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD)
             located = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
     if rank != 0:
-        return {"passed": verdict[0], "comparisons": None}
+        return {"reporting": False, "passed": verdict[0], "comparisons": None}
     stats[0].update(seconds=timer.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
     return {
+        "reporting": True,  # rank 0: compared and holds every rank's figures
         "passed": verdict[0],
         "bisect": located,
+        "bench": bench_figures,
         "comparisons": comparisons,
         "rank_seconds": [s["seconds"] for s in stats],
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache"] == "hit"],
