@@ -228,3 +228,10 @@ def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
     assert [ln.get_label() for ln in left.lines] == ["tiny swa", "flash csa"]
     assert list(right.lines[1].get_ydata()) == [4.4, 5.0, 8.9]
     assert _png_size(plots.png(fig))[0] == 1200
+
+
+def test_console_report_of_a_node_without_rank_0():
+    """A node other than 0 prints rank 0's verdict (the name `verdict` is the rule, not a local)."""
+    result = {**_failing_result(), "verdicts": [], "compared_on_node": 0, "node_rank": 1, "passed": True}
+    assert render(result).splitlines()[-2:] == ["node 1: rank 0 on node 0 compared; its verdict: PASS",
+                                                "VERDICT: PASS (1.0s)"]

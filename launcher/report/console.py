@@ -92,9 +92,9 @@ def render(result: dict) -> str:
         lines += _verdict_lines(result["recomputed_verdicts"])
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
-    verdict = "PASS" if result["passed"] else "FAIL"
+    word = "PASS" if result["passed"] else "FAIL"
     failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
-    lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
+    lines.append(f"VERDICT: {word}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
 
 
