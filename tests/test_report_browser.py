@@ -24,7 +24,7 @@ from launcher.report.run_page import render
 
 from . import browser, defects
 from .conftest import REPO
-from .test_report_pages import BENCH, ok_result
+from .test_report_pages import ok_result
 
 _MISSING = browser.missing()
 if _MISSING and os.environ.get("DSV4_REQUIRE_BROWSER") == "1":
@@ -149,15 +149,17 @@ def test_a_sweep_page_and_its_links(driver, tmp_path):
     assert [j["verdict"] for j in summary["jobs"]] == ["FAIL", "PASS"]
 
 
-def test_a_benchmark_page(driver, tmp_path):
-    """The benchmark mode's result (hand-made: its figures, each rank's, every round)."""
-    path = tmp_path / "report.html"
-    path.write_text(render({**ok_result(True), "bench": BENCH}))
-    page = _check(driver, path, verdict="PASS", min_images=_figures(2),
-                  texts=["benchmark", "6 rounds after 2 warm-up rounds", "12 ms", "reduce_scatter"],
-                  shot=tmp_path / "bench.png")
+def test_a_benchmark_page(tp_run, driver, tmp_path):
+    """Benchmark mode with stage times: the figures, each rank's, a histogram of the rounds and
+    where a round's time goes."""
+    run = tp_run(layer="swa", tp=2, model="tiny", overrides=["bench.rounds=6", "bench.warmup=1", "bench.stages=true"])
+    assert run.passed, run
+    page = _check(driver, Path(run.output_dir) / "report.html", verdict="PASS", min_images=_figures(3),
+                  texts=["benchmark", "6 timed rounds after 1 warm-up round;", "where a round's time goes",
+                         "group_all_to_all", "collective"], shot=tmp_path / "bench.png")
     if plots.available():
-        assert "histogram of the benchmark rounds" in [i["alt"] for i in page.images]
+        assert [i["alt"] for i in page.images] == ["stage times per rank", "histogram of the benchmark rounds",
+                                                   "benchmark time per stage"]
 
 
 def test_the_checks_catch_a_wrong_page(driver, tmp_path):

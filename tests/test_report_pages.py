@@ -72,7 +72,8 @@ def h1_verdict(page: str) -> str:
     (not_run("config-error", "tp=3 must divide o_groups=8"), "ERROR"),
     (not_run("skipped", "not run: fail_fast=true"), "SKIP"),
     ({**ok_result(True), "verdicts": [], "compared_on_node": 0, "node_rank": 1, "passed": False}, "FAIL"),
-], ids=["pass", "fail", "error", "config-error", "skipped", "other-node"])
+    ({**ok_result(True), "verdicts": [], "reference": None, "passed": False, "unchecked": True}, "UNCHECKED"),
+], ids=["pass", "fail", "error", "config-error", "skipped", "other-node", "golden-false"])
 def test_every_outcome_has_a_page_with_its_own_verdict(result, word):
     page = render(result)
     assert h1_verdict(page) == word
@@ -146,20 +147,27 @@ BENCH = {"rounds": 6, "warmup": 2, "min_s": 0.010, "median_s": 0.012, "mean_s": 
          "per_rank": [{"min_s": 0.009, "median_s": 0.011, "mean_s": 0.0115, "max_s": 0.015},
                       {"min_s": 0.010, "median_s": 0.012, "mean_s": 0.0125, "max_s": 0.016}],
          "raw_s": [[0.009, 0.010], [0.011, 0.012], [0.012, 0.011], [0.015, 0.016], [0.010, 0.012], [0.011, 0.014]],
-         "stages": {"attention": {"median_s": 0.004, "max_s": 0.005}, "reduce_scatter": {"median_s": 0.002, "max_s": 0.003}}}
+         "stages": [{"stage": "attention", "collective": False, "median_s": 0.006, "per_rank_median_s": [0.005, 0.006]},
+                    {"stage": "reduce_scatter", "collective": True, "median_s": 0.002,
+                     "per_rank_median_s": [0.002, 0.0015]}],
+         "profiles": ["profile/rank0.json", "profile/rank1.json"]}
 
 
 def test_a_benchmark_shows_its_figures_each_rank_and_a_histogram_of_the_rounds():
     page = render({**ok_result(True), "bench": BENCH})
-    assert "6 rounds after 2 warm-up rounds" in page
+    assert "6 timed rounds after 2 warm-up rounds" in page
     table = page[page.index('id="bench"'):page.index("</table>", page.index('id="bench"'))]
     assert [c for c in re.findall(r"<td[^>]*>([^<]*)</td>", table)] == [
         "min", "10 ms", "median", "12 ms", "mean", "12.5 ms", "max", "16 ms"]
     assert 'id="bench-ranks"' in page and "15 ms" in page
-    assert 'id="bench-stages"' in page and "reduce_scatter" in page
+    stages = page[page.index('id="bench-stages"'):]
+    assert re.findall(r"<tr><td>(\w+)</td><td>(\w*)</td><td class=num>([^<]*)</td><td class=num>([^<]*)</td>", stages) == [
+        ("attention", "", "6 ms", "75%"), ("reduce_scatter", "collective", "2 ms", "25%")]
+    assert '<a href="profile/rank1.json">profile/rank1.json</a>' in page
     assert plots.round_times(BENCH) == [0.010, 0.012, 0.012, 0.016, 0.012, 0.014]  # each round's slowest rank
     if plots.available():
         assert '<img alt="histogram of the benchmark rounds"' in page
+        assert '<img alt="benchmark time per stage"' in page
 
 
 def test_bisect_table_marks_the_first_divergent_stage():

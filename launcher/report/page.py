@@ -35,7 +35,7 @@ pre { background: var(--soft); border: 1px solid var(--line); border-radius: 6px
 .verdict { display: inline-block; font-weight: 700; letter-spacing: .04em; color: #fff; border-radius: 6px;
            padding: 2px 12px; font-size: 18px; }
 .v-PASS { background: var(--pass); } .v-FAIL { background: var(--fail); }
-.v-ERROR { background: var(--error); } .v-SKIP { background: var(--skip); }
+.v-ERROR { background: var(--error); } .v-SKIP { background: var(--skip); } .v-UNCHECKED { background: #0969da; }
 .tag { display: inline-block; font-weight: 600; border-radius: 4px; padding: 0 6px; font-size: 12px; color: #fff; }
 .case { color: #57606a; margin: 2px 0 10px; }
 .case span { margin-right: 14px; white-space: nowrap; }

@@ -1,5 +1,6 @@
 """The report's figures, drawn with matplotlib: error grids as heat maps, per-rank stage times,
-a benchmark's rounds, a sweep's jobs x tensors map; and the PNG files of `report.plots=true`.
+a benchmark's rounds and stages, a sweep's jobs x tensors map; and the PNG files of
+`report.plots=true`.
 
 Every figure is built from the result dicts alone (result.json, summary.json rows), as a
 `matplotlib.figure.Figure` on the Agg canvas: no pyplot, so no GUI backend, no global figure
@@ -183,7 +184,7 @@ def stage_times(rank_seconds: Sequence[dict | None]):
     fig = figure(9.0, min(10.0, 1.6 + 0.3 * ranks + 0.25 * math.ceil(len(stages) / 4)))
     ax = fig.add_subplot()
     left = [0.0] * ranks
-    palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#9d755d")
+    palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#9d755d")
     for i, stage in enumerate(stages):
         widths = [(r or {}).get(stage, 0.0) for r in rank_seconds]
         ax.barh(range(ranks), widths, left=left, height=0.7, label=stage, color=palette[i % len(palette)])
@@ -193,7 +194,7 @@ def stage_times(rank_seconds: Sequence[dict | None]):
     ax.set_xlabel("seconds (stages of one rank, end to end)")
     ax.set_ylabel("rank")
     ax.set_title("stage times per rank", fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if ranks < 4 else -0.12), ncols=min(len(stages), 7),
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if ranks < 4 else -0.12), ncols=min(len(stages), 8),
               frameon=False, fontsize=9)
     ax.grid(axis="x", color="#dddddd")
     ax.set_axisbelow(True)
@@ -221,6 +222,25 @@ def bench_histogram(bench: dict):
     ax.set_ylabel("rounds")
     ax.set_title(f"{len(times)} timed rounds", fontsize=10)
     ax.legend(frameon=False, fontsize=9)
+    return fig
+
+
+def bench_stages(stages: Sequence[dict]):
+    """Where a benchmark round's time goes: each stage's median (of its slowest rank per round)
+    as a bar, in the layer's stage order, the collectives in their own colour."""
+    names = [s["stage"] for s in stages]
+    values = [s["median_s"] for s in stages]
+    scale, unit = (1e3, "ms") if max(values, default=0.0) < 1.0 else (1.0, "s")
+    fig = figure(8.0, min(10.0, 1.4 + 0.3 * len(stages)))
+    ax = fig.add_subplot()
+    colours = ["#f58518" if s.get("collective") else "#4c78a8" for s in stages]
+    ax.barh(range(len(stages)), [v * scale for v in values], color=colours, height=0.7)
+    ax.set_yticks(range(len(stages)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{unit} per round (median of the slowest rank)")
+    ax.set_title("time per stage (orange: collectives, blue: compute)", fontsize=10)
+    ax.grid(axis="x", color="#dddddd")
+    ax.set_axisbelow(True)
     return fig
 
 

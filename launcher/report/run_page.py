@@ -12,7 +12,6 @@ skipped job get a page too, saying what happened and where the logs are.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import sys
@@ -67,6 +66,9 @@ def render(result: dict, output_dir: str | None = None) -> str:
     body = [_header(result, word, output_dir), plots_note()]
     if result["status"] != "ok":
         body.append(_error(result))
+    elif result.get("unchecked"):
+        body.append(note("golden=false: a performance-only run. No golden was computed and nothing was compared; "
+                         "the benchmark below is all it measured."))
     elif "compared_on_node" in result:
         body.append(note(f"node {result.get('node_rank')}: rank 0 on node {result['compared_on_node']} compared; "
                          f"its verdict: {word}. The tensors, figures and grids are in node "
@@ -82,7 +84,7 @@ def render(result: dict, output_dir: str | None = None) -> str:
     if result.get("bisect"):
         body += _bisect(result["bisect"])
     if result.get("bench"):
-        body += _bench(result["bench"])
+        body += _bench(result["bench"], output_dir)
     body += _logs(result, output_dir)
     if output_dir is not None and os.path.isfile(os.path.join(output_dir, "result.json")):
         body.append(f"<p>All figures: {link('result.json', 'result.json')}</p>")
@@ -266,12 +268,18 @@ def _seconds(value) -> str:
     return f"{value * 1e3:.3g} ms" if abs(value) < 1.0 else f"{value:.3g} s"
 
 
-def _bench(bench: dict) -> list[str]:
-    out = ["<h2>benchmark</h2>"]
-    figures = [[k.removesuffix("_s"), _seconds(bench[k])] for k in _STATS if k in bench]
-    out.append(f"<p>{esc(bench.get('rounds'))} rounds after {esc(bench.get('warmup'))} warm-up rounds; "
-               "per round, the slowest rank's time counts.</p>")
-    out.append(table(["of the rounds", "time"], figures, numeric=(1,), attrs='id="bench"'))
+def _count(n, thing: str) -> str:
+    return f"{n} {thing}" + ("" if n == 1 else "s")
+
+
+def _bench(bench: dict, output_dir: str | None) -> list[str]:
+    """`launcher.run.bench.summarize`'s figures: the rounds (each its slowest rank), each rank's,
+    a histogram of the rounds, each stage's share, the profiler traces."""
+    out = ["<h2>benchmark</h2>",
+           f"<p>{_count(bench.get('rounds'), 'timed round')} after {_count(bench.get('warmup'), 'warm-up round')}; "
+           "a round's time is its slowest rank's.</p>",
+           table(["of the rounds", "time"], [[k.removesuffix("_s"), _seconds(bench.get(k))] for k in _STATS],
+                 numeric=(1,), attrs='id="bench"')]
     per_rank = bench.get("per_rank") or []
     if per_rank:
         rows = [[pr.get("rank", i), *(_seconds(pr.get(k)) for k in _STATS)] for i, pr in enumerate(per_rank)]
@@ -280,37 +288,23 @@ def _bench(bench: dict) -> list[str]:
     if plots.round_times(bench):
         out.append(figure(lambda: plots.bench_histogram(bench), "histogram of the benchmark rounds",
                           "the timed rounds, each its slowest rank's time"))
-    for key in ("stages", "per_stage", "stage_s"):
-        if bench.get(key):
-            out += ["<h3>per stage</h3>", _stat_table(bench[key])]
-    known = {"rounds", "warmup", "per_rank", "raw_s", "stages", "per_stage", "stage_s", *_STATS}
-    extra = [[k, v] for k, v in bench.items() if k not in known and isinstance(v, (str, int, float, bool))]
-    if extra:
-        out.append(table(["", ""], extra))
+    stages = bench.get("stages") or []
+    if stages:
+        total = sum(s["median_s"] for s in stages) or 1.0
+        n_ranks = max(len(s.get("per_rank_median_s", [])) for s in stages)
+        rows = [[s["stage"], "collective" if s.get("collective") else "", _seconds(s["median_s"]),
+                 f"{100 * s['median_s'] / total:.0f}%", *(_seconds(v) for v in s.get("per_rank_median_s", []))]
+                for s in stages]
+        out += ["<h3>where a round's time goes</h3>",
+                figure(lambda: plots.bench_stages(stages), "benchmark time per stage",
+                       "each stage's median of its slowest rank per round; collectives apart"),
+                table(["stage", "kind", "median (slowest rank)", "share", *(f"rank {r} median" for r in range(n_ranks))],
+                      rows, numeric=range(2, 4 + n_ranks), attrs='id="bench-stages"')]
+    if bench.get("profiles"):
+        links = [link(relative(os.path.join(output_dir, p), output_dir) if output_dir else p, p) for p in bench["profiles"]]
+        out.append(f"<p>torch.profiler traces (Chrome trace format; open in Perfetto or chrome://tracing): "
+                   f"{Raw(' · '.join(links))}</p>")
     return out
-
-
-def _stat_table(stats) -> Raw:
-    """Per-stage benchmark figures in whichever of the plain shapes they come: stage -> stats,
-    stage -> per-rank stats or numbers; anything else as JSON."""
-    if isinstance(stats, dict) and all(isinstance(v, dict) for v in stats.values()):
-        keys = [k for k in dict.fromkeys(k for v in stats.values() for k in v)
-                if all(isinstance(v.get(k), (int, float, type(None))) for v in stats.values())]
-        rows = [[stage, *(_seconds(v.get(k)) if k.endswith("_s") else fmt(v.get(k)) for k in keys)]
-                for stage, v in stats.items()]
-        return table(["stage", *(k.removesuffix("_s") for k in keys)], rows, numeric=range(1, len(keys) + 1),
-                     attrs='id="bench-stages"')
-    if isinstance(stats, dict) and all(isinstance(v, list) for v in stats.values()):
-        rows = []
-        for stage, per_rank in stats.items():
-            for rank, v in enumerate(per_rank):
-                if isinstance(v, dict):
-                    rows.append([stage, rank, *(_seconds(v.get(k)) for k in _STATS)])
-                else:
-                    rows.append([stage, rank, _seconds(v), "", "", ""])
-        return table(["stage", "rank", *(k.removesuffix("_s") for k in _STATS)], rows, numeric=range(2, 6),
-                     attrs='id="bench-stages"')
-    return pre(json.dumps(stats, indent=1))
 
 
 # -- the logs ----------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def write_sweep_page(sweep_dir: str, summary: dict) -> str | None:
 def _overall(rows: list[dict]) -> str:
     """The sweep's word: its worst job's (a skip alone decides nothing)."""
     words = {r["verdict"] for r in rows}
-    for word in ("ERROR", "FAIL", "PASS"):
+    for word in ("ERROR", "FAIL", "PASS", "UNCHECKED"):
         if word in words:
             return word
     return "SKIP" if words else "PASS"
@@ -67,8 +67,10 @@ def render(summary: dict, sweep_dir: str) -> str:
     rows = summary["jobs"]
     word = _overall(rows)
     name = os.path.basename(os.path.normpath(sweep_dir))
-    counts = "".join(f"<span>{badge(v, big=False)} {summary.get(k, 0)} {k}</span>"
-                     for k, v in (("passed", "PASS"), ("failed", "FAIL"), ("errors", "ERROR"), ("skipped", "SKIP")))
+    kinds = [("passed", "PASS"), ("failed", "FAIL"), ("errors", "ERROR"), ("skipped", "SKIP")]
+    if summary.get("unchecked"):  # golden=false jobs: performance runs
+        kinds.append(("unchecked", "UNCHECKED"))
+    counts = "".join(f"<span>{badge(v, big=False)} {summary.get(k, 0)} {k}</span>" for k, v in kinds)
     body = [f"<h1>{badge(word)}<span>sweep {esc(name)}</span></h1>",
             f'<div class="case">{esc(os.path.abspath(sweep_dir))} · {summary["n_jobs"]} jobs</div>',
             f'<p class="counts" id="counts">{counts}</p>',
@@ -97,6 +99,9 @@ def _filters(rows: list[dict]) -> Raw:
 def _jobs_table(rows: list[dict], sweep_dir: str) -> Raw:
     head = ["job", "layer", "scope", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad",
             "wall s", "message"]
+    benched = any(r.get("bench_median_s") is not None for r in rows)
+    if benched:  # bench.rounds=N: each job's median round
+        head.insert(12, "bench median ms")
     cells, attrs = [], []
     for r in rows:
         page = os.path.join(r["output_dir"], PAGE) if r.get("output_dir") not in (None, "", "-") else None
@@ -106,8 +111,12 @@ def _jobs_table(rows: list[dict], sweep_dir: str) -> Raw:
                       fmt(r.get("local_t")), starts_text(r.get("start_pos")), badge(r["verdict"], big=False),
                       fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s")),
                       r.get("message") or ""])
+        if benched:
+            median = r.get("bench_median_s")
+            cells[-1].insert(12, fmt(median * 1e3) if median is not None else "-")
         attrs.append(" ".join(f'data-{k}="{esc(_value(r, k))}"' for k in FILTERS) + f' data-job="{r["job"]}"')
-    return table(head, cells, row_attrs=attrs, numeric=(4, 5, 9, 10, 11), attrs='id="jobs"')
+    return table(head, cells, row_attrs=attrs, numeric=(4, 5, 9, 10, 11, 12) if benched else (4, 5, 9, 10, 11),
+                 attrs='id="jobs"')
 
 
 def _job_results(rows: list[dict]) -> list[dict | None]:
