@@ -58,6 +58,7 @@ class RunSchema:
     layer: LayerSchema = MISSING
     model: Any = MISSING
     tp: int = 4
+    dp: int = 1
     local_t: Optional[int] = None
     seed: int = 20260819
     start_pos: Any = None

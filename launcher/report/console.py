@@ -43,7 +43,8 @@ def table_lines(rows: list[list[str]]) -> list[str]:
 def render(result: dict) -> str:
     c = result["case"]
     lines = [
-        f"dsv4-tp-harness  layer={c['layer']} scope={c.get('scope', 'full')} model={c['model']} tp={c['tp']} local_t={c['local_t']} "
+        f"dsv4-tp-harness  layer={c['layer']} scope={c.get('scope', 'full')} model={c['model']} tp={c['tp']}"
+        f"{' dp=' + str(c['dp']) if c.get('dp', 1) != 1 else ''} local_t={c['local_t']} "
         f"seed={c['seed']} start_pos={c['start_pos']} backend={c['backend']} impl={c['impl']}"
     ]
     if result["status"] in ("config-error", "skipped"):  # no rank ran
@@ -86,15 +87,22 @@ def render(result: dict) -> str:
                      f"was compared) ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     lines.append(reference_line(result))
-    lines += _verdict_lines(result["verdicts"])
+    if "groups" in result:  # several TP groups: each group's verdicts, its ranks named globally
+        for g in result["groups"]:
+            lines.append(f"group {g['group']} (global ranks {g['ranks'][0]}-{g['ranks'][-1]}, seed {g['seed']}): "
+                         f"{'PASS' if g['passed'] else 'FAIL'}")
+            lines += ["  " + ln for ln in _verdict_lines(g["verdicts"], g["ranks"])]
+    else:
+        lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
         lines += _verdict_lines(result["recomputed_verdicts"])
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
-    word = "PASS" if result["passed"] else "FAIL"
     failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
-    lines.append(f"VERDICT: {word}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
+    groups = [g["group"] for g in result.get("groups", []) if not g["passed"]]
+    where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}" if groups else ""
+    lines.append(f"VERDICT: {verdict(result)}" + (f" {failed}{where}" if failed else "") + f" ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
 
 
@@ -129,13 +137,16 @@ def reference_line(result: dict) -> str:
     return f"reference: golden{cached}{saved}{problems}"
 
 
-def _verdict_lines(verdicts: list[dict]) -> list[str]:
+def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) -> list[str]:
+    """The verdicts' table; `global_ranks`: a TP group's ranks in the world, named beside the
+    group's own rank numbers."""
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
     for v in verdicts:
         f = v.get("figures", {})
         rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")), v["label"]])
         for pr in v.get("per_rank", []):
-            rows.append(["", str(pr["rank"]), "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
+            rank = str(pr["rank"]) if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
+            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
     lines = table_lines(rows)
     for v in verdicts:
         if not v["passed"]:

@@ -95,17 +95,38 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
     )
     if r.get("bench") is not None:
         result["bench"] = r["bench"]
-    if r["comparisons"] is None:  # golden=false: a performance-only run, nothing compared
+    groups = [_group_entry(g) for g in r["groups"]]
+    if groups[0]["verdicts"] is None:  # golden=false: a performance-only run, nothing compared
         result.update(passed=False, unchecked=True, reference=None, verdicts=[])
         return result
-    # The primary reference is the snapshot when one is replayed, else the computed golden.
-    primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
-    result.update(passed=bool(r["passed"]), reference=primary, verdicts=r["comparisons"][primary])
-    if r.get("bisect") is not None:
-        result["bisect"] = r["bisect"]
-    if primary == "snapshot" and "golden" in r["comparisons"]:
-        result["recomputed_verdicts"] = r["comparisons"]["golden"]
+    # The top level is the first group that did not pass (group 0 when all did); with several
+    # TP groups, `groups` holds each group's own verdicts.
+    shown = next((g for g in groups if not g["passed"]), groups[0])
+    result.update(passed=all(g["passed"] for g in groups), reference=shown["reference"], verdicts=shown["verdicts"])
+    for key in ("recomputed_verdicts", "bisect"):
+        if key in shown:
+            result[key] = shown[key]
+    if spec.dp > 1:
+        result["groups"] = groups
     return result
+
+
+def _group_entry(group: dict) -> dict:
+    """One TP group's verdicts: against the snapshot when one is replayed, else the computed
+    golden (the recomputed golden beside a snapshot as `recomputed_verdicts`)."""
+    entry = {"group": group["group"], "ranks": group["ranks"], "seed": group["seed"]}
+    comparisons = group["comparisons"]
+    if comparisons is None:
+        return {**entry, "passed": None, "reference": None, "verdicts": None}
+    primary = "snapshot" if "snapshot" in comparisons else "golden"
+    verdicts = comparisons[primary]
+    entry.update(reference=primary, verdicts=verdicts,
+                 passed=all(v["passed"] for vs in comparisons.values() for v in vs))
+    if primary == "snapshot" and "golden" in comparisons:
+        entry["recomputed_verdicts"] = comparisons["golden"]
+    if group.get("bisect") is not None:
+        entry["bisect"] = group["bisect"]
+    return entry
 
 
 # -- results of runs that never reached the ranks ----------------------------------------------

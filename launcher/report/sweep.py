@@ -64,6 +64,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         return row
     case = result["case"]
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
+    row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
     failed = [v for v in verdicts if not v["passed"]]
@@ -97,14 +98,16 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
 
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
-    head = ["job", "layer", "scope", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad", "wall_s"]
+    grouped = any((r.get("dp") or 1) > 1 for r in rows)
+    head = ["job", "layer", "scope", "model", "tp", *(["dp"] if grouped else []), "local_t", "start_pos", "verdict",
+            "tensor", "max|diff|", "bad", "wall_s"]
     benched = any(r.get("bench_median_s") is not None for r in rows)
     cells = [head + ["bench_ms"] if benched else head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
         cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
-                      fmt(r.get("local_t")), starts_text(r.get("start_pos")), r["verdict"], fmt(r.get("tensor")),
-                      fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
+                      *([fmt(r.get("dp"))] if grouped else []), fmt(r.get("local_t")), starts_text(r.get("start_pos")),
+                      r["verdict"], fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
         if benched:
             median = r.get("bench_median_s")
             cells[-1].append(fmt(median * 1e3) if median is not None else "-")
