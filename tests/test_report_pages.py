@@ -258,3 +258,25 @@ def test_sweep_page_counts_links_filters_and_maps_the_jobs(tmp_path):
     assert "<th>kv_cache</th><th>x_out</th>" in map_table and "0.75 FAIL" in map_table
     # A job page links back to its sweep's page (the job folder sits in the sweep folder).
     assert '<a href="../report.html">the sweep</a>' in (sweep_dir / "0" / "report.html").read_text()
+
+
+def test_several_tp_groups_get_a_table_each_with_global_ranks():
+    good, bad = ok_result(True), ok_result(False)
+    groups = [{"group": 0, "ranks": [0, 1], "seed": 1, "reference": "golden", "passed": True, "verdicts": good["verdicts"]},
+              {"group": 1, "ranks": [2, 3], "seed": 7, "reference": "golden", "passed": False, "verdicts": bad["verdicts"]}]
+    page = render({**bad, "case": {**CASE, "dp": 2}, "groups": groups})
+    assert h1_verdict(page) == "FAIL" and "tp=2 · dp=2" in page and "dp=<code>2</code>" in page
+    assert "failed: x_out in group 1" in page
+    assert "group 0 (global ranks 0-1, seed 1): PASS" in page and "group 1 (global ranks 2-3, seed 7): FAIL" in page
+    assert "<td>1 (global 3)</td>" in page
+    assert page.count('id="tensor-group1_x_out"') == 1 and 'href="#tensor-group1_x_out"' in page
+    assert 'id="tensor-group0_x_out"' not in page  # group 0 passed: no account, no grids
+
+
+def test_sweep_page_shows_dp_only_where_a_job_had_several_groups(tmp_path):
+    sweep_dir, summary = _sweep(tmp_path)
+    page = Path(write_sweep_page(str(sweep_dir), summary)).read_text()
+    assert 'id="filter-dp"' not in page and "<th>dp</th>" not in page
+    summary["jobs"][0]["dp"] = 2
+    page = Path(write_sweep_page(str(sweep_dir), summary)).read_text()
+    assert '<select id="filter-dp" data-filter="dp">' in page and "<th>dp</th>" in page and 'data-dp="2"' in page

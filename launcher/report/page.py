@@ -45,6 +45,7 @@ th { background: var(--soft); font-weight: 600; white-space: nowrap; }
 td:first-child { white-space: nowrap; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.sub td { color: #57606a; font-size: 13px; }
+tr.sub td:nth-child(2) { white-space: nowrap; }
 tr.sub td:first-child { border-top-color: transparent; }
 tr.hit td { background: #fff1f0; }
 .label { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 12px; color: #57606a;

@@ -181,7 +181,7 @@ def stage_times(rank_seconds: Sequence[dict | None]):
     stages in the order a rank runs them."""
     stages = [s for s in RANK_STAGES if any(s in (r or {}) for r in rank_seconds)]
     ranks = len(rank_seconds)
-    fig = figure(9.0, min(10.0, 1.6 + 0.3 * ranks + 0.25 * math.ceil(len(stages) / 4)))
+    fig = figure(9.0, min(10.0, max(1.4 + 0.3 * ranks, 0.9 + 0.22 * len(stages))))
     ax = fig.add_subplot()
     left = [0.0] * ranks
     palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#9d755d")
@@ -194,8 +194,7 @@ def stage_times(rank_seconds: Sequence[dict | None]):
     ax.set_xlabel("seconds (stages of one rank, end to end)")
     ax.set_ylabel("rank")
     ax.set_title("stage times per rank", fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if ranks < 4 else -0.12), ncols=min(len(stages), 8),
-              frameon=False, fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)  # beside: never on the axis
     ax.grid(axis="x", color="#dddddd")
     ax.set_axisbelow(True)
     return fig

@@ -62,7 +62,7 @@ def render(result: dict, output_dir: str | None = None) -> str:
     the page names no file)."""
     word = verdict(result)
     c = result["case"]
-    title = f"{word} {c.get('layer')} tp={c.get('tp')} {c.get('model')}"
+    title = f"{word} {c.get('layer')} tp={c.get('tp')}{' dp=' + str(c['dp']) if c.get('dp', 1) != 1 else ''} {c.get('model')}"
     body = [_header(result, word, output_dir), plots_note()]
     if result["status"] != "ok":
         body.append(_error(result))
@@ -75,10 +75,8 @@ def render(result: dict, output_dir: str | None = None) -> str:
                          f"{result['compared_on_node']}'s report."))
     else:
         body.append(f"<p>{esc(reference_line(result))}</p>")
-        body += _verdicts(result.get("verdicts", []), "verdicts", output_dir, result, "")
-        if "recomputed_verdicts" in result:
-            body += _verdicts(result["recomputed_verdicts"], "against the golden recomputed from the snapshot's in/",
-                              output_dir, result, "recomputed_")
+        for group in result.get("groups") or [None]:
+            body += _group(result, group, output_dir)
     if result.get("rank_seconds"):
         body += _stage_times(result)
     if result.get("bisect"):
@@ -97,10 +95,13 @@ def render(result: dict, output_dir: str | None = None) -> str:
 def _header(result: dict, word: str, output_dir: str | None) -> Raw:
     c = result["case"]
     scope = c.get("scope") or "full"
-    head = f"<h1>{badge(word)}<span>{esc(c.get('layer'))} {esc(scope)} · {esc(c.get('model'))} · tp={esc(c.get('tp'))}</span></h1>"
-    keys = ("layer", "scope", "model", "tp", "local_t", "seed", "start_pos", "backend", "impl")
+    dp = f" · dp={c['dp']}" if c.get("dp", 1) != 1 else ""
+    head = (f"<h1>{badge(word)}<span>{esc(c.get('layer'))} {esc(scope)} · {esc(c.get('model'))} · "
+            f"tp={esc(c.get('tp'))}{esc(dp)}</span></h1>")
+    keys = ("layer", "scope", "model", "tp", "dp", "local_t", "seed", "start_pos", "backend", "impl")
     shown = {**c, "start_pos": starts_text(c.get("start_pos"))}
-    case = "".join(f"<span>{esc(k)}=<code>{esc(shown.get(k))}</code></span>" for k in keys if k in c)
+    case = "".join(f"<span>{esc(k)}=<code>{esc(shown.get(k))}</code></span>" for k in keys
+                   if k in c and not (k == "dp" and not dp))
     extra = [f"wall {fmt(result.get('wall_s'))} s"]
     extra += [f"{k} {result[k]}" for k in ("host", "torch") if result.get(k)]
     parts = [head, f'<div class="case">{case}</div>', f'<div class="case">{esc(" · ".join(extra))}</div>']
@@ -113,7 +114,9 @@ def _header(result: dict, word: str, output_dir: str | None) -> Raw:
         parts.append(f'<div class="case">sweep job {esc(job.get("num"))}: <code>{esc(overrides)}</code>{sweep}</div>')
     if result.get("status") == "ok" and result.get("verdicts"):
         failed = sorted({v["tensor"] for v in _all_verdicts(result) if not v["passed"]})
-        what = f"failed: {', '.join(failed)}" if failed else f"{len(_all_verdicts(result))} tensors compared, all passed"
+        groups = [str(g["group"]) for g in result.get("groups", []) if not g["passed"]]
+        where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(groups)}" if groups else ""
+        what = f"failed: {', '.join(failed)}{where}" if failed else f"{len(_all_verdicts(result))} tensors compared, all passed"
         parts.append(f'<p id="summary">{esc(what)}</p>')
     return Raw("\n".join(parts))
 
@@ -155,7 +158,32 @@ def _anchor(tag: str, tensor: str) -> str:
     return "tensor-" + tag + re.sub(r"[^A-Za-z0-9_-]+", "-", tensor)
 
 
-def _verdicts(verdicts: list[dict], heading: str, output_dir: str | None, result: dict, tag: str) -> list[str]:
+def _group(result: dict, group: dict | None, output_dir: str | None) -> list[str]:
+    """The verdicts of the run (group None), or of one of its TP groups (dp > 1: each group's
+    own tables and grids, its ranks named in the group and in the world)."""
+    if group is None:
+        out = _verdicts(result.get("verdicts", []), "verdicts", output_dir, result, "", "")
+        if "recomputed_verdicts" in result:
+            out += _verdicts(result["recomputed_verdicts"], "against the golden recomputed from the snapshot's in/",
+                             output_dir, result, "recomputed_", "recomputed_")
+        return out
+    n, ranks = group["group"], group["ranks"]
+    # The PNGs of report.plots=true are those of the top level: the first group that failed.
+    png = "" if group["verdicts"] == result.get("verdicts") else None
+    heading = (f"group {n} (global ranks {ranks[0]}-{ranks[-1]}, seed {group['seed']}): "
+               f"{'PASS' if group['passed'] else 'FAIL'}")
+    out = _verdicts(group["verdicts"], heading, output_dir, result, f"group{n}_", png, ranks)
+    if "recomputed_verdicts" in group:
+        out += _verdicts(group["recomputed_verdicts"], f"group {n} against the golden recomputed from the snapshot's in/",
+                         output_dir, result, f"group{n}_recomputed_", None if png is None else "recomputed_", ranks)
+    return out
+
+
+def _verdicts(verdicts: list[dict], heading: str, output_dir: str | None, result: dict, tag: str, png: str | None,
+              global_ranks: list[int] | None = None) -> list[str]:
+    """A table of verdicts and each failing one's account and grids. `tag` keeps the anchors of
+    the page apart; `png`: the tag of the report.plots=true PNGs these grids were written as (None:
+    none were); `global_ranks`: a TP group's ranks in the world."""
     rows, attrs = [], []
     for v in verdicts:
         f = v.get("figures", {})
@@ -165,7 +193,8 @@ def _verdicts(verdicts: list[dict], heading: str, output_dir: str | None, result
                      Raw(f'<span class="label">{esc(v["label"])}</span>')])
         attrs.append(f'class="tensor" data-tensor="{esc(v["tensor"])}" data-verdict="{word}"')
         for pr in v.get("per_rank", []):
-            rows.append(["", pr["rank"], "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")),
+            rank = pr["rank"] if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
+            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")),
                          fmt(pr.get("worst")), ""])
             attrs.append('class="sub"')
     out = [f"<h2>{esc(heading)}</h2>",
@@ -173,11 +202,11 @@ def _verdicts(verdicts: list[dict], heading: str, output_dir: str | None, result
                  row_attrs=attrs, numeric=(3, 4, 5), attrs=f'id="{tag or "primary"}-verdicts"')]
     for v in verdicts:
         if not v["passed"]:
-            out += _failing(v, output_dir, result, tag)
+            out += _failing(v, output_dir, result, tag, png)
     return out
 
 
-def _failing(v: dict, output_dir: str | None, result: dict, tag: str) -> list[str]:
+def _failing(v: dict, output_dir: str | None, result: dict, tag: str, png: str | None) -> list[str]:
     out = [f'<h3 id="{_anchor(tag, v["tensor"])}">{badge("FAIL", big=False)} {esc(v["tensor"])}</h3>',
            f'<div class="label">{esc(v["label"])}</div>']
     if v.get("category"):
@@ -187,15 +216,15 @@ def _failing(v: dict, output_dir: str | None, result: dict, tag: str) -> list[st
     grids = [g for g in v.get("where") or [] if any(map(any, g["bad"]))]
     written = {os.path.basename(p) for p in result.get("plots") or []}
     for g in grids:
-        name = plots.heatmap_file(tag, v["tensor"], g)
-        path = os.path.join(output_dir, name) if output_dir else None
-        if path and name in written and os.path.isfile(path):
+        name = plots.heatmap_file(png, v["tensor"], g) if png is not None else None
+        path = os.path.join(output_dir, name) if output_dir and name in written else None
+        if path and os.path.isfile(path):
             with open(path, "rb") as f:
                 draw = f.read()  # report.plots=true drew it already: the same image
         else:
-            draw = (lambda t=v["tensor"], g=g: plots.heatmap(t, g))
+            path, draw = None, (lambda t=v["tensor"], g=g: plots.heatmap(t, g))
         out.append(figure(draw, f"{v['tensor']} {g['name']} heat map",
-                          f"{v['tensor']}: bad points per {g['name']}" + (f" ({name})" if path and name in written else "")))
+                          f"{v['tensor']}: bad points per {g['name']}" + (f" ({name})" if path else "")))
     if grids:
         text = "\n".join(where_lines(v))
         opened = "" if plots.available() else " open"

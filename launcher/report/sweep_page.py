@@ -2,9 +2,10 @@
 
 Built from the sweep's summary (`launcher.report.sweep.write_summary`) and its jobs'
 result.json files: the pass / fail / error / skip counts; every job in one table, filterable by
-layer, scope, model, tp and verdict (a small inline script; without it every row shows), each
+layer, scope, model, tp (dp) and verdict (a small inline script; without it every row shows), each
 job linking to its own page by a relative path, so the folder can move as a whole; and a
-jobs x tensors map of each compared tensor's max |diff|.
+jobs x tensors map of each compared tensor's max |diff|. A job with several TP groups (dp > 1)
+shows its first failing group's tensors, as its result.json's top level does.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from launcher.report.console import fmt, starts_text
 from launcher.report.page import Raw, badge, document, esc, figure, link, plots_note, relative, table, write
 from launcher.report.run_page import PAGE
 
-FILTERS = ("layer", "scope", "model", "tp", "verdict")
+FILTERS = ("layer", "scope", "model", "tp", "dp", "verdict")
 
 # Hides the rows that do not match every chosen filter value; counts the rows shown.
 FILTER_SCRIPT = """
@@ -85,10 +86,18 @@ def render(summary: dict, sweep_dir: str) -> str:
     return document(f"{word} sweep {name}", body, FILTER_SCRIPT)
 
 
+def _filter_keys(rows: list[dict]) -> list[str]:
+    """What the table filters by: layer, scope, model, tp (and dp where a job had several TP
+    groups), verdict."""
+    grouped = any((r.get("dp") or 1) > 1 for r in rows)
+    return [k for k in FILTERS if k != "dp" or grouped]
+
+
 def _filters(rows: list[dict]) -> Raw:
     parts = ['<div class="filters">']
-    for key in FILTERS:
-        values = sorted({_value(r, key) for r in rows} - {""}, key=lambda v: (len(v), v) if key == "tp" else (0, v))
+    for key in _filter_keys(rows):
+        numeric = key in ("tp", "dp")
+        values = sorted({_value(r, key) for r in rows} - {""}, key=lambda v: (len(v), v) if numeric else (0, v))
         options = "".join(f'<option value="{esc(v)}">{esc(v)}</option>' for v in values)
         parts.append(f'<label>{esc(key)} <select id="filter-{key}" data-filter="{key}">'
                      f'<option value="">all</option>{options}</select></label>')
@@ -97,26 +106,32 @@ def _filters(rows: list[dict]) -> Raw:
 
 
 def _jobs_table(rows: list[dict], sweep_dir: str) -> Raw:
-    head = ["job", "layer", "scope", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad",
-            "wall s", "message"]
+    keys = _filter_keys(rows)
     benched = any(r.get("bench_median_s") is not None for r in rows)
-    if benched:  # bench.rounds=N: each job's median round
-        head.insert(12, "bench median ms")
-    cells, attrs = [], []
-    for r in rows:
+
+    def job_link(r):
         page = os.path.join(r["output_dir"], PAGE) if r.get("output_dir") not in (None, "", "-") else None
-        job = link(relative(page, sweep_dir), f"job {r['job']}") if page and os.path.isfile(page) else f"job {r['job']}"
-        bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
-        cells.append([job, fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
-                      fmt(r.get("local_t")), starts_text(r.get("start_pos")), badge(r["verdict"], big=False),
-                      fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s")),
-                      r.get("message") or ""])
-        if benched:
-            median = r.get("bench_median_s")
-            cells[-1].insert(12, fmt(median * 1e3) if median is not None else "-")
-        attrs.append(" ".join(f'data-{k}="{esc(_value(r, k))}"' for k in FILTERS) + f' data-job="{r["job"]}"')
-    return table(head, cells, row_attrs=attrs, numeric=(4, 5, 9, 10, 11, 12) if benched else (4, 5, 9, 10, 11),
-                 attrs='id="jobs"')
+        return link(relative(page, sweep_dir), f"job {r['job']}") if page and os.path.isfile(page) else f"job {r['job']}"
+
+    def median_ms(r):
+        return fmt(r["bench_median_s"] * 1e3) if r.get("bench_median_s") is not None else "-"
+
+    # (header, cell, right-aligned): dp where a job had several TP groups, the median round of a benchmark
+    columns = [("job", job_link, False), *((k, lambda r, k=k: fmt(r.get(k)), k in ("tp", "dp"))
+                                            for k in ("layer", "scope", "model", "tp", "dp") if k in keys),
+               ("local_t", lambda r: fmt(r.get("local_t")), True),
+               ("start_pos", lambda r: starts_text(r.get("start_pos")), False),
+               ("verdict", lambda r: badge(r["verdict"], big=False), False),
+               ("tensor", lambda r: fmt(r.get("tensor")), False),
+               ("max|diff|", lambda r: fmt(r.get("max_abs_diff")), True),
+               ("bad", lambda r: f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-", True),
+               ("wall s", lambda r: fmt(r.get("wall_s")), True),
+               *([("bench median ms", median_ms, True)] if benched else []),
+               ("message", lambda r: r.get("message") or "", False)]
+    cells = [[cell(r) for _, cell, _ in columns] for r in rows]
+    attrs = [" ".join(f'data-{k}="{esc(_value(r, k))}"' for k in keys) + f' data-job="{r["job"]}"' for r in rows]
+    return table([h for h, _, _ in columns], cells, row_attrs=attrs,
+                 numeric=[i for i, (_, _, right) in enumerate(columns) if right], attrs='id="jobs"')
 
 
 def _job_results(rows: list[dict]) -> list[dict | None]:
@@ -147,7 +162,8 @@ def _map(rows: list[dict]) -> list[str]:
         failed.append([t in by_name and not by_name[t]["passed"] for t in tensors])
     labels = [" ".join(x for x in (f"{r['job']}", _value(r, "layer"),
                                    "" if r.get("scope") in (None, "full") else r["scope"], _value(r, "model"),
-                                   f"tp={r['tp']}" if r.get("tp") is not None else "", r["verdict"]) if x)
+                                   f"tp={r['tp']}" if r.get("tp") is not None else "",
+                                   f"dp={r['dp']}" if (r.get("dp") or 1) > 1 else "", r["verdict"]) if x)
               for r in rows]
     text_rows = [[label, *("-" if d is None else (f"{fmt(d)} FAIL" if f else fmt(d)) for d, f in zip(ds, fs))]
                  for label, ds, fs in zip(labels, diffs, failed)]
