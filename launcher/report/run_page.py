@@ -1,12 +1,15 @@
 """The run page: `report.html` beside every run's result.json, whatever the run's outcome.
 
 Built from the result dict alone (`launcher.report.result`) plus what lies in the run's
-folder (its rank logs, the PNGs of `report.plots=true`): the case and the verdict; every
-compared tensor with its comparator, verdict, figures and per-rank rows; for a failing tensor
-the comparator's account and its error grids (`verdict["where"]`) as heat maps; the per-rank
-stage times as a chart; the bisect table; the benchmark's figures and a histogram of its
-rounds (`result["bench"]`); links to each rank's logs. An error, a refused config and a
-skipped job get a page too, saying what happened and where the logs are.
+folder (its rank logs, the PNGs of `report.plots=true`, the profiler traces): the case and the
+verdict; every compared tensor with its comparator, verdict, figures and per-rank rows (a table
+per TP group where dp > 1); for a failing tensor the comparator's account and its error grids
+(`verdict["where"]`) as heat maps; the per-rank stage times as a chart; the bisect table; the
+benchmark's figures, a histogram of its rounds and each stage's share (`result["bench"]`);
+links to each rank's logs. An error, a refused config, a skipped job and a performance-only
+run (UNCHECKED) get a page too, saying what happened and where the logs are.
+
+`write_result_and_page` is what the entry points call: result.json, then this page.
 """
 
 from __future__ import annotations
