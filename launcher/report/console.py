@@ -40,13 +40,38 @@ def table_lines(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+# The keys that define a case, in the order every report shows them: the attention layers' tp /
+# local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing.
+CASE_KEYS = ("layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
+             "seed", "start_pos", "backend", "impl")
+
+
+def case_items(c: dict) -> list[tuple[str, object]]:
+    """The case's keys and values that it has, in CASE_KEYS order; dp only where there are
+    several groups."""
+    return [(k, c[k]) for k in CASE_KEYS if k in c and not (k == "dp" and c[k] in (None, 1))]
+
+
+def group_text(c: dict) -> str:
+    """The size of the case's process group as a key: `ep=P` for the MoE layer, `tp=N` else."""
+    return f"ep={c['ep']}" if "ep" in c else f"tp={c.get('tp')}"
+
+
 def case_line(c: dict) -> str:
-    """The case as `key=value` pairs: the attention layers' tp / local_t / start_pos, the MoE
-    layer's ep / layer_id / num_tokens / balanced_routing; dp where there are several groups."""
-    keys = ["layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
-            "seed", "start_pos", "backend", "impl"]
-    cells = [f"{k}={c[k]}" for k in keys if k in c and not (k == "dp" and c[k] in (None, 1))]
-    return "dsv4-tp-harness  " + " ".join(cells)
+    """The case as `key=value` pairs (case_items)."""
+    return "dsv4-tp-harness  " + " ".join(f"{k}={v}" for k, v in case_items(c))
+
+
+def case_columns(rows: list[dict]) -> list[str]:
+    """The case keys a table of sweep jobs shows: the attention layers' where any job is one (or
+    none is the MoE layer's), the MoE layer's where any job is one; dp where a job had several
+    groups."""
+    moe = any(r.get("ep") is not None for r in rows)
+    attention = not moe or any(r.get("tp") is not None for r in rows)
+    grouped = any((r.get("dp") or 1) > 1 for r in rows)
+    return [*(["tp"] if attention else []), *(["ep"] if moe else []), *(["dp"] if grouped else []),
+            *(["local_t"] if attention else []), *(["layer_id", "num_tokens", "balanced_routing"] if moe else []),
+            *(["start_pos"] if attention else [])]
 
 
 def render(result: dict) -> str:

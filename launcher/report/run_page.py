@@ -3,7 +3,7 @@
 Built from the result dict alone (`launcher.report.result`) plus what lies in the run's
 folder (its rank logs, the PNGs of `report.plots=true`, the profiler traces): the case and the
 verdict; every compared tensor with its comparator, verdict, figures and per-rank rows (a table
-per TP group where dp > 1); for a failing tensor the comparator's account and its error grids
+per TP or EP group where dp > 1); for a failing tensor the comparator's account and its error grids
 (`verdict["where"]`) as heat maps; the per-rank stage times as a chart; the bisect table; the
 benchmark's figures, a histogram of its rounds and each stage's share (`result["bench"]`);
 links to each rank's logs. An error, a refused config, a skipped job and a performance-only
@@ -21,7 +21,7 @@ import sys
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.report import plots
-from launcher.report.console import fmt, reference_line, starts_text, where_lines
+from launcher.report.console import case_items, fmt, group_text, reference_line, starts_text, where_lines
 from launcher.report.page import (
     Raw,
     badge,
@@ -65,7 +65,7 @@ def render(result: dict, output_dir: str | None = None) -> str:
     the page names no file)."""
     word = verdict(result)
     c = result["case"]
-    title = f"{word} {c.get('layer')} tp={c.get('tp')}{' dp=' + str(c['dp']) if c.get('dp', 1) != 1 else ''} {c.get('model')}"
+    title = f"{word} {c.get('layer')} {group_text(c)}{' dp=' + str(c['dp']) if c.get('dp', 1) != 1 else ''} {c.get('model')}"
     body = [_header(result, word, output_dir), plots_note()]
     if result["status"] != "ok":
         body.append(_error(result))
@@ -100,11 +100,9 @@ def _header(result: dict, word: str, output_dir: str | None) -> Raw:
     scope = c.get("scope") or "full"
     dp = f" · dp={c['dp']}" if c.get("dp", 1) != 1 else ""
     head = (f"<h1>{badge(word)}<span>{esc(c.get('layer'))} {esc(scope)} · {esc(c.get('model'))} · "
-            f"tp={esc(c.get('tp'))}{esc(dp)}</span></h1>")
-    keys = ("layer", "scope", "model", "tp", "dp", "local_t", "seed", "start_pos", "backend", "impl")
-    shown = {**c, "start_pos": starts_text(c.get("start_pos"))}
-    case = "".join(f"<span>{esc(k)}=<code>{esc(shown.get(k))}</code></span>" for k in keys
-                   if k in c and not (k == "dp" and not dp))
+            f"{esc(group_text(c))}{esc(dp)}</span></h1>")
+    case = "".join(f"<span>{esc(k)}=<code>{esc(starts_text(v) if k == 'start_pos' else v)}</code></span>"
+                   for k, v in case_items(c))
     extra = [f"wall {fmt(result.get('wall_s'))} s"]
     extra += [f"{k} {result[k]}" for k in ("host", "torch") if result.get(k)]
     parts = [head, f'<div class="case">{case}</div>', f'<div class="case">{esc(" · ".join(extra))}</div>']
@@ -162,7 +160,7 @@ def _anchor(tag: str, tensor: str) -> str:
 
 
 def _group(result: dict, group: dict | None, output_dir: str | None) -> list[str]:
-    """The verdicts of the run (group None), or of one of its TP groups (dp > 1: each group's
+    """The verdicts of the run (group None), or of one of its TP or EP groups (dp > 1: each group's
     own tables and grids, its ranks named in the group and in the world)."""
     if group is None:
         out = _verdicts(result.get("verdicts", []), "verdicts", output_dir, result, "", "")
@@ -186,7 +184,7 @@ def _verdicts(verdicts: list[dict], heading: str, output_dir: str | None, result
               global_ranks: list[int] | None = None) -> list[str]:
     """A table of verdicts and each failing one's account and grids. `tag` keeps the anchors of
     the page apart; `png`: the tag of the report.plots=true PNGs these grids were written as (None:
-    none were); `global_ranks`: a TP group's ranks in the world."""
+    none were); `global_ranks`: a group's ranks in the world."""
     rows, attrs = [], []
     for v in verdicts:
         f = v.get("figures", {})
