@@ -32,7 +32,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.report import progress
-from launcher.report.console import fmt, starts_text, table_lines
+from launcher.report.console import case_columns, fmt, starts_text, table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, verdict
 from launcher.report.sweep_page import write_sweep_page
 
@@ -40,6 +40,8 @@ SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skippe
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
 # which already decides the sweep's status.
 EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS, "UNCHECKED": EXIT_PASS}
+# The MoE layer's case keys a job's row carries (only its rows: an attention job's stay as they were).
+MOE_KEYS = ("ep", "layer_id", "num_tokens", "balanced_routing")
 
 
 # -- one row per job ---------------------------------------------------------------------------
@@ -64,6 +66,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         return row
     case = result["case"]
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
+    row.update({k: case[k] for k in MOE_KEYS if k in case})
     row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
@@ -98,15 +101,14 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
 
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
-    grouped = any((r.get("dp") or 1) > 1 for r in rows)
-    head = ["job", "layer", "scope", "model", "tp", *(["dp"] if grouped else []), "local_t", "start_pos", "verdict",
-            "tensor", "max|diff|", "bad", "wall_s"]
+    keys = case_columns(rows)
+    head = ["job", "layer", "scope", "model", *keys, "verdict", "tensor", "max|diff|", "bad", "wall_s"]
     benched = any(r.get("bench_median_s") is not None for r in rows)
     cells = [head + ["bench_ms"] if benched else head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
-        cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
-                      *([fmt(r.get("dp"))] if grouped else []), fmt(r.get("local_t")), starts_text(r.get("start_pos")),
+        case = [starts_text(r.get(k)) if k == "start_pos" else fmt(r.get(k)) for k in keys]
+        cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), *case,
                       r["verdict"], fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
         if benched:
             median = r.get("bench_median_s")

@@ -2,9 +2,10 @@
 
 Built from the sweep's summary (`launcher.report.sweep.write_summary`) and its jobs'
 result.json files: the pass / fail / error / skip counts; every job in one table, filterable by
-layer, scope, model, tp (dp) and verdict (a small inline script; without it every row shows), each
+layer, scope, model, the case's keys (tp or ep, dp; the MoE layer's layer_id, num_tokens and
+balanced_routing) and verdict (a small inline script; without it every row shows), each
 job linking to its own page by a relative path, so the folder can move as a whole; and a
-jobs x tensors map of each compared tensor's max |diff|. A job with several TP groups (dp > 1)
+jobs x tensors map of each compared tensor's max |diff|. A job with several TP or EP groups (dp > 1)
 shows its first failing group's tensors, as its result.json's top level does.
 """
 
@@ -15,11 +16,10 @@ import os
 import sys
 
 from launcher.report import plots
-from launcher.report.console import fmt, starts_text
+from launcher.report.console import case_columns, fmt, starts_text
 from launcher.report.page import Raw, badge, document, esc, figure, link, plots_note, relative, table, write
 from launcher.report.run_page import PAGE
 
-FILTERS = ("layer", "scope", "model", "tp", "dp", "verdict")
 
 # Hides the rows that do not match every chosen filter value; counts the rows shown.
 FILTER_SCRIPT = """
@@ -86,17 +86,20 @@ def render(summary: dict, sweep_dir: str) -> str:
     return document(f"{word} sweep {name}", body, FILTER_SCRIPT)
 
 
+NUMERIC = ("tp", "ep", "dp", "local_t", "layer_id", "num_tokens")
+
+
 def _filter_keys(rows: list[dict]) -> list[str]:
-    """What the table filters by: layer, scope, model, tp (and dp where a job had several TP
-    groups), verdict."""
-    grouped = any((r.get("dp") or 1) > 1 for r in rows)
-    return [k for k in FILTERS if k != "dp" or grouped]
+    """What the table filters by: layer, scope, model, the case keys the table shows (but
+    local_t and start_pos: a sweep's many values), verdict."""
+    case = [k for k in case_columns(rows) if k not in ("local_t", "start_pos")]
+    return ["layer", "scope", "model", *case, "verdict"]
 
 
 def _filters(rows: list[dict]) -> Raw:
     parts = ['<div class="filters">']
     for key in _filter_keys(rows):
-        numeric = key in ("tp", "dp")
+        numeric = key in NUMERIC
         values = sorted({_value(r, key) for r in rows} - {""}, key=lambda v: (len(v), v) if numeric else (0, v))
         options = "".join(f'<option value="{esc(v)}">{esc(v)}</option>' for v in values)
         parts.append(f'<label>{esc(key)} <select id="filter-{key}" data-filter="{key}">'
@@ -116,11 +119,13 @@ def _jobs_table(rows: list[dict], sweep_dir: str) -> Raw:
     def median_ms(r):
         return fmt(r["bench_median_s"] * 1e3) if r.get("bench_median_s") is not None else "-"
 
-    # (header, cell, right-aligned): dp where a job had several TP groups, the median round of a benchmark
-    columns = [("job", job_link, False), *((k, lambda r, k=k: fmt(r.get(k)), k in ("tp", "dp"))
-                                            for k in ("layer", "scope", "model", "tp", "dp") if k in keys),
-               ("local_t", lambda r: fmt(r.get("local_t")), True),
-               ("start_pos", lambda r: starts_text(r.get("start_pos")), False),
+    def case_value(r, k):
+        return starts_text(r.get(k)) if k == "start_pos" else fmt(r.get(k))
+
+    # (header, cell, right-aligned): the case keys of the layers swept, the median round of a benchmark
+    columns = [("job", job_link, False),
+               *((k, lambda r, k=k: case_value(r, k), k in NUMERIC)
+                 for k in ("layer", "scope", "model", *case_columns(rows))),
                ("verdict", lambda r: badge(r["verdict"], big=False), False),
                ("tensor", lambda r: fmt(r.get("tensor")), False),
                ("max|diff|", lambda r: fmt(r.get("max_abs_diff")), True),
@@ -160,10 +165,13 @@ def _map(rows: list[dict]) -> list[str]:
         by_name = {v["tensor"]: v for v in (res or {}).get("verdicts", [])}
         diffs.append([by_name[t].get("figures", {}).get("max_abs_diff") if t in by_name else None for t in tensors])
         failed.append([t in by_name and not by_name[t]["passed"] for t in tensors])
+    # A job is named by its group size and by each other case key the sweep varies.
+    keys = [k for k in case_columns(rows) if k in ("tp", "ep") or len({_value(r, k) for r in rows}) > 1]
     labels = [" ".join(x for x in (f"{r['job']}", _value(r, "layer"),
                                    "" if r.get("scope") in (None, "full") else r["scope"], _value(r, "model"),
-                                   f"tp={r['tp']}" if r.get("tp") is not None else "",
-                                   f"dp={r['dp']}" if (r.get("dp") or 1) > 1 else "", r["verdict"]) if x)
+                                   *(f"{k}={starts_text(r[k]) if k == 'start_pos' else r[k]}" for k in keys
+                                     if r.get(k) is not None),
+                                   r["verdict"]) if x)
               for r in rows]
     text_rows = [[label, *("-" if d is None else (f"{fmt(d)} FAIL" if f else fmt(d)) for d, f in zip(ds, fs))]
                  for label, ds, fs in zip(labels, diffs, failed)]
