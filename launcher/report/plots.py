@@ -258,7 +258,10 @@ def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence
     values = np.array([[np.nan if d is None else d for d in row] for row in diffs], dtype=float).reshape(n_jobs, n_tensors)
     positive = values[np.isfinite(values) & (values > 0)]
     lo = positive.min() if positive.size else 1e-6
-    hi = max(positive.max() if positive.size else 1.0, lo * 10)
+    hi = positive.max() if positive.size else 1.0
+    if hi < lo * 10:  # at least a decade, centred on the values: a lone value is coloured mid-scale
+        mid = math.sqrt(lo * hi)
+        lo, hi = mid / math.sqrt(10), mid * math.sqrt(10)
     cmap = colors.LinearSegmentedColormap.from_list("diff", ["#fff7bc", "#fec44f", "#d95f0e", "#7f0000"])
     fig = figure(min(14.0, max(6.0, 3.5 + 0.7 * n_tensors)), min(40.0, 1.8 + 0.28 * n_jobs))
     ax = fig.add_subplot()
@@ -280,6 +283,6 @@ def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence
     ax.tick_params(which="minor", length=0)
     ax.set_xlabel("tensor")
     ax.set_ylabel("job")
-    ax.set_title("max |diff| per job and tensor (\u2716 failed; green: bitwise equal; grey: not compared)", fontsize=10)
+    ax.set_title("max |diff| per job and tensor\n\u2716 failed; green: bitwise equal; grey: not compared", fontsize=10)
     fig.colorbar(im, ax=ax, label="max |diff|", pad=0.01)
     return fig
