@@ -95,6 +95,27 @@ def test_a_failing_run_page(tp_run, driver, tmp_path):
     assert browser.console_errors(driver) == []
 
 
+def test_moe_run_pages(tp_run, driver, tmp_path):
+    """The MoE layer's pages: its case by ep, x_next with a row per rank, and for a failing run
+    (every route sent to the wrong rank) its rank x token block and rank x hc heat maps."""
+    passed = tp_run(layer="moe", ep=2, model="tiny")
+    failed = tp_run(layer="moe", ep=2, model="tiny", impl=defects.MoeRoutesToTheWrongRank)
+    assert (passed.exit_code, failed.exit_code) == (0, 1), (passed, failed)
+    case = ["moe full · tiny · ep=2", "layer_id=0", "balanced_routing=False"]
+    _check(driver, Path(passed.output_dir) / "report.html", verdict="PASS", min_images=_figures(1),
+           texts=[*case, "x_next", "1 tensors compared, all passed", "stage times per rank"], shot=tmp_path / "moe.png")
+    page = _check(driver, Path(failed.output_dir) / "report.html", verdict="FAIL", min_images=_figures(3),
+                  texts=[*case, "MoeRoutesToTheWrongRank", "failed: x_next", "ratio_reldiff fail",
+                         "rank x token block", "rank x hc"], shot=tmp_path / "moe-fail.png")
+    assert "tp=" not in page.text
+    if plots.available():
+        assert [i["alt"] for i in page.images] == ["x_next rank x token block heat map", "x_next rank x hc heat map",
+                                                   "stage times per rank"]
+    ranks = driver.execute_script("return Array.from(document.querySelectorAll('#primary-verdicts tr'))"
+                                  ".map(r => Array.from(r.cells).slice(0, 3).map(c => c.innerText))")
+    assert ranks[1:] == [["x_next", "all", "FAIL"], ["", "0", "bad"], ["", "1", "bad"]]
+
+
 def test_error_pages_of_a_crashed_rank_and_a_refused_config(tp_run, driver, tmp_path):
     crashed = tp_run(layer="swa", tp=2, model="tiny", overrides=["fault.kind=raise", "fault.rank=1"])
     refused = tp_run(layer="swa", tp=3, model="tiny")

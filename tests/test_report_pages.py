@@ -280,3 +280,39 @@ def test_sweep_page_shows_dp_only_where_a_job_had_several_groups(tmp_path):
     summary["jobs"][0]["dp"] = 2
     page = Path(write_sweep_page(str(sweep_dir), summary)).read_text()
     assert '<select id="filter-dp" data-filter="dp">' in page and "<th>dp</th>" in page and 'data-dp="2"' in page
+
+
+MOE_CASE = {"layer": "moe", "scope": "full", "model": "tiny", "ep": 2, "layer_id": 0, "num_tokens": 37,
+            "balanced_routing": False, "seed": 1, "dp": 1, "backend": "gloo", "impl": "tests.defects.MoeRoutesToTheWrongRank"}
+
+
+def test_a_moe_run_names_its_ep_case_not_tp():
+    page = render({**ok_result(False), "case": MOE_CASE})
+    assert h1_verdict(page) == "FAIL" and "moe full · tiny · ep=2</span></h1>" in page
+    for key, value in (("ep", 2), ("layer_id", 0), ("num_tokens", 37), ("balanced_routing", False)):
+        assert f"{key}=<code>{value}</code>" in page
+    assert "tp=" not in page and "local_t=" not in page and "start_pos=" not in page
+    assert "<title>FAIL moe ep=2 tiny</title>" in page
+
+
+def test_a_moe_sweep_shows_and_filters_by_the_moe_case_keys(tmp_path):
+    from launcher.report.sweep import table
+
+    sweep_dir, summary = _sweep(tmp_path)
+    for row, tokens in zip(summary["jobs"], (37, 37, 128)):
+        row.update(layer="moe", tp=None, local_t=None, ep=2, layer_id=0, num_tokens=tokens, balanced_routing=False)
+    page = Path(write_sweep_page(str(sweep_dir), summary)).read_text()
+    for key in ("ep", "layer_id", "num_tokens", "balanced_routing"):
+        assert f'<select id="filter-{key}" data-filter="{key}">' in page and f"<th>{key}</th>" in page
+    assert '<option value="37">37</option><option value="128">128</option>' in page and 'data-num_tokens="128"' in page
+    for key in ("tp", "local_t", "start_pos"):  # an attention layer's keys: no MoE job has them
+        assert f'id="filter-{key}"' not in page and f"<th>{key}</th>" not in page
+    # The map names each job by its group size and the case keys the sweep varies.
+    map_table = page[page.index('id="map"'):]
+    assert "<td>0 moe tiny ep=2 num_tokens=37 FAIL</td>" in map_table and "layer_id=" not in map_table
+    head = table(summary["jobs"])[0].split()
+    assert head[:9] == ["job", "layer", "scope", "model", "ep", "layer_id", "num_tokens", "balanced_routing", "verdict"]
+    # A sweep over both kinds of layer shows both kinds of key.
+    summary["jobs"][2].update(layer="swa", tp=2, local_t=16, ep=None)
+    page = Path(write_sweep_page(str(sweep_dir), summary)).read_text()
+    assert all(f"<th>{key}</th>" in page for key in ("tp", "ep", "local_t", "num_tokens", "start_pos"))
