@@ -1,7 +1,8 @@
 """The report's pages in a real headless Chromium, as a person would use them: real runs at tiny
-dims (a passing one, a failing one, a crashed one, a refused config) and a real multirun,
-loaded from disk; no console error, the verdict, the tensor names, every image decoded, the
-links working, a screenshot that is not blank. The last test feeds the same checks wrong pages
+dims (a passing one, a failing one, a crashed one, a refused config, a benchmark, the MoE
+layer's passing and failing) and a real multirun, loaded from disk; no console error, the
+verdict, the tensor names, every image decoded, the links working, a screenshot that is not
+blank. The last test feeds the same checks wrong pages
 and expects each wrong thing to be caught.
 
 Needs /usr/bin/chromium and /usr/bin/chromedriver (Debian: chromium, chromium-driver) and
