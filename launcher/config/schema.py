@@ -73,6 +73,7 @@ class RunSchema:
     nproc_per_node: Optional[int] = None
     scope: str = "full"
     bisect: bool = False
+    integrity: bool = True  # integrity checks beside the reference comparators (launcher.verify.integrity)
 
 
 def register() -> None:

@@ -58,6 +58,7 @@ class RunSpec:
     nproc_per_node: int = 0  # ranks on this node; 0 means tp / nnodes
     bisect: bool = False  # after a failing full run, locate the first divergent stage and rank
     report_plots: bool = False  # PNG heat maps of a failing tensor's errors (drawn by the launcher)
+    integrity: bool = True  # the integrity checks beside the reference comparators also judge the run
 
     @property
     def layer(self) -> Layer:
@@ -177,6 +178,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         fault=fault,
         bisect=bool(cfg.bisect),
         report_plots=bool(cfg.report.plots),
+        integrity=bool(cfg.integrity),
         **_nodes(cfg, tp),
     )
 

@@ -1,16 +1,20 @@
 """The console report of a run: what `python -m launcher` prints after the ranks are done.
 
 `render(result)` needs nothing but the result dict (`launcher.report.result`): the case line,
-the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank), each
-failing tensor's comparator account, where its errors are (the grids of
-`launcher.verify.where`, as text), the bisect table when there is one, and the verdict line.
+the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank, by
+each verdict's `tally`), each failing tensor's comparator account, where its errors are (the
+grids of `launcher.verify.where`, as text), the integrity checks (a table, each failing one's
+account, and the line that sets the reference verdict beside them), the bisect table when
+there is one, and the verdict line.
 `fmt` and `table_lines` are the number and table formats the sweep's table shares.
 """
 
 from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
+from launcher.report.result import integrity_failures, verdict_pair
 from launcher.verify.bisect import render as render_bisect
+from launcher.verify.integrity import CHECKS
 
 
 def fmt(v) -> str:
@@ -72,10 +76,13 @@ def render(result: dict) -> str:
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
         lines += _verdict_lines(result["recomputed_verdicts"])
+    lines += _integrity_lines(result["integrity"])
+    lines.append(verdict_pair(result))
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
     verdict = "PASS" if result["passed"] else "FAIL"
-    failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
+    failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]}
+                    | {c["tensor"] for c in integrity_failures(result)})
     lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
 
@@ -93,10 +100,11 @@ def _reference_line(result: dict) -> str:
 def _verdict_lines(verdicts: list[dict]) -> list[str]:
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
     for v in verdicts:
-        f = v.get("figures", {})
-        rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")), v["label"]])
-        for pr in v.get("per_rank", []):
-            rows.append(["", str(pr["rank"]), "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
+        t = v["tally"]
+        rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(t), fmt(t["max_abs_diff"]), fmt(t["worst"]), v["label"]])
+        worst = {pr["rank"]: pr.get("worst") for pr in v.get("per_rank", [])}
+        for pr in t["per_rank"]:
+            rows.append(["", str(pr["rank"]), "ok" if not pr["n_bad"] else "bad", _bad(pr), fmt(pr["max_abs_diff"]), fmt(worst.get(pr["rank"])), ""])
     lines = table_lines(rows)
     for v in verdicts:
         if not v["passed"]:
@@ -107,9 +115,28 @@ def _verdict_lines(verdicts: list[dict]) -> list[str]:
 
 
 def _bad(figures: dict) -> str:
-    if "n_bad" not in figures:
+    if figures.get("n_bad") is None:
         return "-"
     return f"{figures['n_bad']}/{figures.get('numel', '?')}"
+
+
+def _integrity_lines(entry: dict) -> list[str]:
+    """One row per tensor, one column per integrity check (bad/looked at), then the failures."""
+    if not entry["enabled"]:
+        return ["integrity: off (integrity=false: the reference comparators alone decide)"]
+    checks = [(c, "") for c in entry["checks"]]
+    checks += [(c, " (against the golden recomputed from in/)") for c in entry.get("recomputed_checks", [])]
+    cells: dict[str, dict[str, str]] = {}
+    for c in entry["checks"]:
+        f = c["figures"]
+        cells.setdefault(c["tensor"], {})[c["check"]] = f"{f['n_bad']}/{f['numel']}" + ("" if c["passed"] else " FAIL")
+    rows = [["integrity", *CHECKS]] + [[t, *(got.get(k, "-") for k in CHECKS)] for t, got in cells.items()]
+    lines = table_lines(rows)
+    for c, against in checks:
+        if not c["passed"]:
+            lines.append(f"{c['tensor']} integrity {c['check']} FAIL{against}")
+            lines += c["detail"].splitlines()
+    return lines
 
 
 # -- where the errors are ----------------------------------------------------------------------

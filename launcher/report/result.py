@@ -10,7 +10,13 @@ one: status "config-error" (refused by the preflight), "skipped" (a sweep with f
 a failed job) or "error" with stage "launcher" (the launcher process itself raised).
 
 Where the errors are: a failing verdict may carry `where`, the grids of `launcher.verify.where`
-(bad points per rank x token block / hc copy / physical block).
+(bad points per rank x token block / hc copy / physical block); every verdict carries `tally`,
+the figures its summary row shows (`launcher.verify.where.tally`).
+
+Two verdicts decide `passed`: the reference comparators' (`reference_passed`, every entry of
+`verdicts`) and the integrity checks beside them (`integrity`, `launcher.verify.integrity`:
+`{"enabled", "passed", "checks": [...], "recomputed_checks": [...]}`; with integrity=false
+enabled is false, passed None and the reference verdict alone decides).
 
 `write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`),
 `exit_code` the one rule from a result to the process's exit status.
@@ -77,6 +83,8 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
     primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
     result.update(
         status="ok", passed=bool(r["passed"]), reference=primary, verdicts=r["comparisons"][primary],
+        reference_passed=all(v["passed"] for vs in r["comparisons"].values() for v in vs),
+        integrity=_integrity_entry(r["integrity"], primary),
         rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
         golden_cache_problems=r["golden_cache_problems"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
         golden_data=spec.golden_data, save_data=spec.save_data,
@@ -86,6 +94,39 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
     if primary == "snapshot" and "golden" in r["comparisons"]:
         result["recomputed_verdicts"] = r["comparisons"]["golden"]
     return result
+
+
+def _integrity_entry(integrity: dict | None, primary: str) -> dict:
+    """result.json's `integrity`: the checks against the primary reference, and against the
+    golden recomputed beside a replayed snapshot."""
+    if integrity is None:
+        return {"enabled": False, "passed": None, "checks": []}
+    entry = {"enabled": True, "passed": all(c["passed"] for cs in integrity.values() for c in cs),
+             "checks": integrity[primary]}
+    if primary == "snapshot" and "golden" in integrity:
+        entry["recomputed_checks"] = integrity["golden"]
+    return entry
+
+
+def integrity_failures(result: dict) -> list[dict]:
+    """The failing integrity checks of a run (against every reference)."""
+    entry = result.get("integrity") or {}
+    return [c for c in entry.get("checks", []) + entry.get("recomputed_checks", []) if not c["passed"]]
+
+
+def integrity_verdict(result: dict) -> str:
+    """`integrity: off`, `integrity: PASS` or `integrity: FAIL (kv_cache written_rows: 2 unwritten row(s) ...)`."""
+    if not result["integrity"]["enabled"]:
+        return "integrity: off"
+    failures = integrity_failures(result)
+    if not failures:
+        return "integrity: PASS"
+    return "integrity: FAIL (" + "; ".join(f"{c['tensor']} {c['check']}: {c['summary']}" for c in failures) + ")"
+
+
+def verdict_pair(result: dict) -> str:
+    """The reference verdict beside the integrity one: `reference verdict: PASS, integrity: FAIL (...)`."""
+    return f"reference verdict: {'PASS' if result['reference_passed'] else 'FAIL'}, {integrity_verdict(result)}"
 
 
 # -- results of runs that never reached the ranks ----------------------------------------------

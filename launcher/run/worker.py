@@ -48,15 +48,22 @@ from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
 from launcher.run import devices, faults, forkserver
 from launcher.store import golden_cache, snapshot
+from launcher.store.golden_cache import tensor_sha256
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
 from launcher.verify.build import build_comparator
+from launcher.verify.integrity import golden_nonfinite, integrity_checks
 
 log = logging.getLogger("launcher.run.worker")
 
 
 class ImplContractError(RuntimeError):
     """The implementation under test returned something that breaks the layer's contract."""
+
+
+class GoldenNotFinite(RuntimeError):
+    """The reference holds non-finite values where it must be finite: it cannot judge the run
+    (a config whose math breaks down, or a damaged snapshot), so the run is an error, not a FAIL."""
 
 
 def progress_path(output_dir: str, rank: int) -> str:
@@ -122,6 +129,41 @@ def check_outputs(outputs, expected_specs: dict, rank: int) -> None:
             )
 
 
+def check_inputs_unchanged(tensors: dict[str, torch.Tensor], digests: dict[str, str], rank: int) -> None:
+    """Refuse an implementation that changed a pure input in place (only in-outs may change):
+    `digests` are the inputs' sha256 taken when the fixture was built."""
+    changed = [n for n, digest in digests.items() if tensor_sha256(tensors[n]) != digest]
+    if changed:
+        raise ImplContractError(f"rank {rank}: impl changed its pure input(s) {', '.join(changed)} in place "
+                                "(the contract lets only the in-out caches and states change)")
+
+
+def check_reference_finite(spec: RunSpec, layer, source: str, reference: dict, mappings: dict, rank: int) -> None:
+    """Refuse a reference that is non-finite where it must be finite (`golden_nonfinite`):
+    every comparison against it would blame the implementation for the reference's NaN."""
+    for check in layer.checks(spec.case):
+        n = golden_nonfinite(check, reference[check.output], mappings.get(getattr(check, "mapping", None)))
+        if not n:
+            continue
+        if source == "snapshot":
+            origin = f"the snapshot's {spec.golden_data}/out/{check.output}.pt"
+        else:
+            origin = f"the golden computed for {config_text(spec.case)}"
+        raise GoldenNotFinite(f"rank {rank}: {origin} holds {n} non-finite value(s) in {check.output} where it must "
+                              "be finite: a reference error, not the implementation's")
+
+
+def config_text(case) -> str:
+    """The case as a reader would check it, with the model fields changed from the preset."""
+    changed = case.model.overrides()
+    if changed is None:
+        model = f"model={case.model.name} (no preset: {case.model.fields()})"
+    else:
+        model = f"model={case.model.name}" + "".join(f" model.{k}={v}" for k, v in changed.items())
+    return (f"layer={case.layer} {model} tp={case.tp} local_t={case.local_t} seed={case.seed} "
+            f"start_pos={case.start_pos}")
+
+
 def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int, device) -> dict[str, torch.Tensor]:
     """Every rank's tensor of each name, stacked `[tp, ...]` on rank 0 (CPU), bit-exact."""
     gathered = {}
@@ -180,24 +222,26 @@ def cached_golden(spec: RunSpec, layer, inputs, rank: int, wo_full=None) -> tupl
     return outputs, f"not written: {problem}" if problem else None
 
 
-def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> list[dict]:
-    """Every check of the layer, in its validation order, on the stacked [tp, ...] tensors."""
+def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> tuple[list[dict], list[dict]]:
+    """`(verdicts, integrity)`: every check of the layer in its validation order, on the
+    stacked [tp, ...] tensors, and the integrity checks beside them (none with integrity=false)."""
     case = spec.case
     inputs = dict(context)  # slot mappings and, under initial_key(name), the pre-step pools
     inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
-    verdicts = []
+    verdicts, integrity = [], []
     for check in layer.checks(case):
+        a, e = actual[check.output], golden[check.output]
         cmp = build_comparator(check, mapping_shape=(case.tp, case.local_t), leading_rank_axis=True)
-        v = cmp.evaluate(
-            actual[check.output], golden[check.output], inputs=inputs, actual_outputs=actual, expected_outputs=golden
-        )
+        v = cmp.evaluate(a, e, inputs=inputs, actual_outputs=actual, expected_outputs=golden)
         verdict = {"tensor": check.output, **v.to_dict()}
-        if not v.passed:  # where the errors are: per rank x row block / head group / page
-            verdict["where"] = where.error_maps(
-                check.output, check, actual[check.output], golden[check.output], inputs, seq=case.seq
-            )
+        found = integrity_checks(check, a, e, inputs) if spec.integrity else []
+        if not v.passed or not all(c.passed for c in found):
+            # where the errors are: per rank x row block / head group / page
+            verdict["where"] = where.error_maps(check.output, check, a, e, inputs, seq=case.seq)
+        verdict["tally"] = where.tally(verdict, check, a.shape)
         verdicts.append(verdict)
-    return verdicts
+        integrity += [c.to_dict() for c in found]
+    return verdicts, integrity
 
 
 def rank_main(spec: RunSpec):
@@ -273,6 +317,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
     mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
+    pure = layer.names_of(case, Kind.INPUT)
     with timer.stage("fixture"):
         wo_full = None
         if spec.golden_data:
@@ -281,6 +326,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
             inputs, wo_full = layer.rank_inputs_and_full_o(case, rank)
         else:
             inputs = layer.rank_inputs(case, rank)
+        input_digests = {n: tensor_sha256(inputs[n]) for n in pure}
         impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
@@ -291,6 +337,8 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         if not spec.golden_data or spec.recompute_golden:
             references["golden"], cache_status = cached_golden(spec, layer, inputs, rank, wo_full)
         del wo_full
+        for source, reference in references.items():
+            check_reference_finite(spec, layer, source, reference, inputs, rank)
         context = {n: inputs[n].clone() for n in mappings}
         context.update({initial_key(n): inputs[n].clone() for n in inout})
     if spec.save_data:
@@ -302,9 +350,12 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
             del stacked_in, stacked_out
     with timer.stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
+        pure_tensors = {n: tensors[n] for n in pure}  # the implementation may rebind the dict's entries
         outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
         faults.on_outputs(spec.fault, rank, outputs, case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
+        check_inputs_unchanged(pure_tensors, input_digests, rank)
+        del pure_tensors
     with timer.stage("gather"):
         del tensors, inputs  # what the outputs do not alias is freed before rank 0 stacks
         release_freed_memory()  # glibc keeps freed heap resident; the stacks are new mappings
@@ -315,12 +366,16 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         stats = [None] * tp if rank == 0 else None
         dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
                            stats, dst=0)
-    comparisons = None
+    comparisons, integrity = None, None
     if rank == 0:
         with timer.stage("compare"):
-            comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
-    # Every rank learns the verdict, so every node exits with rank 0's verdict code.
-    verdict = [all(v["passed"] for vs in comparisons.values() for v in vs) if rank == 0 else None]
+            comparisons, integrity = {}, {}
+            for src, ref in expected.items():
+                comparisons[src], integrity[src] = compare(spec, layer, actual, ref, context)
+    # Every rank learns the verdict, so every node exits with rank 0's verdict code: the
+    # reference verdicts and the integrity checks beside them.
+    judged = [*comparisons.values(), *integrity.values()] if rank == 0 else []
+    verdict = [all(v["passed"] for vs in judged for v in vs) if rank == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
     located = None
     if spec.bisect and not verdict[0]:
@@ -336,6 +391,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         "passed": verdict[0],
         "bisect": located,
         "comparisons": comparisons,
+        "integrity": integrity if spec.integrity else None,
         "rank_seconds": [s["seconds"] for s in stats],
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache"] == "hit"],
         "golden_cache_problems": sorted({s["golden_cache"] for s in stats if s["golden_cache"] not in (None, "hit")}),
