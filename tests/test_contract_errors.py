@@ -34,16 +34,16 @@ def test_a_nonfinite_computed_golden_names_the_config():
     layer = spec.layer
     inputs, wo = layer.rank_inputs_and_full_o(spec.case, 1)
     golden = layer.golden(spec.case, {**{n: t.clone() for n, t in inputs.items()}, "wo_a": wo[0], "wo_b": wo[1]})
-    check_reference_finite(spec, layer, "golden", golden, inputs, rank=1)  # a sound golden passes
+    check_reference_finite(spec, spec.case, layer, "golden", golden, inputs, rank=1)  # a sound golden passes
     pool = next(c for c in layer.checks(spec.case) if isinstance(c, PoolCheck))
     unmapped = torch.ones(golden[pool.output].view(-1, golden[pool.output].shape[-1]).shape[0], dtype=torch.bool)
     unmapped[inputs[pool.mapping][inputs[pool.mapping] >= 0]] = False
     golden[pool.output].view(-1, golden[pool.output].shape[-1])[unmapped.nonzero()[0]] = float("-inf")
-    check_reference_finite(spec, layer, "golden", golden, inputs, rank=1)  # unmapped rows may hold sentinels
+    check_reference_finite(spec, spec.case, layer, "golden", golden, inputs, rank=1)  # unmapped rows may hold sentinels
     golden["x_out"][2, 1, :3] = float("nan")
     with pytest.raises(GoldenNotFinite) as e:
-        check_reference_finite(spec, layer, "golden", golden, inputs, rank=1)
+        check_reference_finite(spec, spec.case, layer, "golden", golden, inputs, rank=1)
     assert str(e.value) == (
-        "rank 1: the golden computed for layer=swa model=tiny model.decode_batch=32 tp=2 local_t=128 seed=5 "
+        "rank 1: the golden computed for layer=swa model=tiny model.decode_batch=32 scope=full tp=2 local_t=128 seed=5 "
         "start_pos=None holds 3 non-finite value(s) in x_out where it must be finite: a reference error, "
         "not the implementation's")
