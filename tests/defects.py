@@ -328,3 +328,26 @@ class CorruptPureInputs(TorchTP):
             mapping = next(n for n in tensors if n.endswith("slot_mapping"))
             tensors[mapping].add_(7)
         return out
+
+
+class MoeHugeValueInXNext(TorchTP):
+    """Rank 1 writes 1e30 into one value of its x_next: one point of the pooled 5 % budget, and
+    ratio_reldiff puts no cap on a single point of the MoE layer."""
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.rank == 1:
+            out["x_next"][0, 0, 0] = 1e30
+        return out
+
+
+class MoeCorruptsItsInputs(TorchTP):
+    """Rank 1 computes the right x_next, then scales its x_hc by -3 and shifts its input_ids by
+    7 in place (both pure inputs)."""
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.rank == 1:
+            tensors["x_hc"].mul_(-3)
+            tensors["input_ids"].add_(7)
+        return out

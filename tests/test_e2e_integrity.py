@@ -74,6 +74,25 @@ def test_flash_dims_a_skipped_write_and_one_absurd_value_fail(tp_run):
     assert off.exit_code == 0, off
 
 
+def test_moe_one_absurd_x_next_value_fails_integrity(tp_run):
+    """The MoE layer's x_next: ratio_reldiff(3e-3, 0.05) has no single-point cap, so one 1e30
+    is one bad point of a 5 % budget; the integrity cap names it."""
+    good = tp_run(layer="moe", ep=2, model="tiny")
+    assert good.passed, good
+    assert [(c["tensor"], c["check"]) for c in good.result["integrity"]["checks"]] == [("x_next", "finite"),
+                                                                                       ("x_next", "cap")]
+    run = tp_run(layer="moe", ep=2, model="tiny", impl=defects.MoeHugeValueInXNext)
+    assert run.exit_code == 1, run
+    _reference_passes(run)
+    failed = _failed_checks(run)
+    assert set(failed) == {("x_next", "cap")}
+    figures = failed[("x_next", "cap")]["figures"]
+    assert figures["n_bad"] == 1 and figures["per_rank"] == [0, 1] and figures["examples"][0]["at"] == [1, 0, 0, 0]
+    assert "reference verdict: PASS, integrity: FAIL (x_next cap: 1 value(s)" in run.report
+    off = tp_run(layer="moe", ep=2, model="tiny", impl=defects.MoeHugeValueInXNext, overrides=["integrity=false"])
+    assert off.exit_code == 0, off
+
+
 def test_sweep_rows_show_the_integrity_verdict(tmp_path):
     p, summary, junit = multirun(tmp_path, "layer=swa", "model=tiny", "tp=2",
                                  "impl._target_=tests.defects.HugeValueInCache", "integrity=true,false")
