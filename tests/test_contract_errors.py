@@ -55,3 +55,5 @@ def test_a_nonfinite_computed_golden_names_the_config():
         "rank 1: the golden computed for layer=swa model=tiny model.decode_batch=32 scope=full tp=2 local_t=128 seed=5 "
         "start_pos=None holds 3 non-finite value(s) in x_out where it must be finite: a reference error, "
         "not the implementation's")
+    with pytest.raises(GoldenNotFinite, match="^rank 1: the golden read from the golden cache for layer=swa "):
+        check_reference_finite(spec, spec.case, layer, "golden", golden, inputs, rank=1, cached=True)

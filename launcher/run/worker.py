@@ -141,9 +141,10 @@ def check_inputs_unchanged(tensors: dict[str, torch.Tensor], digests: dict[str, 
 
 
 def check_reference_finite(spec: RunSpec, case, layer, source: str, reference: dict, mappings: dict,
-                           rank: int) -> None:
+                           rank: int, cached: bool = False) -> None:
     """Refuse a reference that is non-finite where it must be finite (`golden_nonfinite`):
-    every comparison against it would blame the implementation for the reference's NaN."""
+    every comparison against it would blame the implementation for the reference's NaN.
+    `cached`: the golden came from the golden cache, not computed in this run."""
     for check in layer.checks(case):
         n = golden_nonfinite(check, reference[check.output], mappings.get(getattr(check, "mapping", None)))
         if not n:
@@ -151,7 +152,7 @@ def check_reference_finite(spec: RunSpec, case, layer, source: str, reference: d
         if source == "snapshot":
             origin = f"the snapshot's {spec.golden_data}/out/{check.output}.pt"
         else:
-            origin = f"the golden computed for {config_text(case)}"
+            origin = f"the golden {'read from the golden cache' if cached else 'computed'} for {config_text(case)}"
         raise GoldenNotFinite(f"rank {rank}: {origin} holds {n} non-finite value(s) in {check.output} where it must "
                               "be finite: a reference error, not the implementation's")
 
@@ -352,7 +353,8 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                     golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
                     references["golden"] = layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
             for source, reference in references.items():
-                check_reference_finite(spec, case, layer, source, reference, inputs, rank)
+                check_reference_finite(spec, case, layer, source, reference, inputs, rank,
+                                       cached=source == "golden" and cache_status == "hit")
             context = {n: inputs[n].clone() for n in mappings}
             context.update({initial_key(n): inputs[n].clone() for n in inout})
     del wo_full
