@@ -374,7 +374,8 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
         pure_tensors = {n: tensors[n] for n in pure}  # the implementation may rebind the dict's entries
         outputs = impl(ctx, tensors)
-        faults.on_outputs(spec.fault, rank, outputs, layer.names_of(case, Kind.OUTPUT)[0], case.seq)
+        layer_output = layer.names_of(case, Kind.OUTPUT)  # none in a focused scope's stage
+        faults.on_outputs(spec.fault, rank, outputs, layer_output[0] if layer_output else None, case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
         check_inputs_unchanged(pure_tensors, input_digests, rank)
         del pure_tensors
