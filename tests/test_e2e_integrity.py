@@ -107,3 +107,12 @@ def test_sweep_rows_show_the_integrity_verdict(tmp_path):
     assert failure.get("message") == on["message"] and "cap: 1 value(s) beyond the cap" in failure.text
     table = p.stdout[p.stdout.index("job  layer"):].splitlines()
     assert table[1].split()[7:9] == ["FAIL", "FAIL"] and table[2].split()[7:9] == ["PASS", "off"]
+
+
+@pytest.mark.parametrize("scope", ["output", "collectives"])
+def test_a_focused_scope_passes_with_no_integrity_checks(tp_run, scope):
+    """A scope's stage checks allow no bad point: nothing for the integrity checks to add."""
+    run = tp_run(layer="swa", tp=2, model="tiny", scope=scope)
+    assert run.passed, run
+    assert run.result["integrity"] == {"enabled": True, "passed": True, "checks": []}
+    assert "integrity: no checks here" in run.report and "reference verdict: PASS, integrity: PASS" in run.report

@@ -166,6 +166,8 @@ def _integrity_lines(entry: dict) -> list[str]:
     """One row per tensor, one column per integrity check (bad/looked at), then the failures."""
     if not entry["enabled"]:
         return ["integrity: off (integrity=false: the reference comparators alone decide)"]
+    if not entry["checks"]:
+        return ["integrity: no checks here (a focused scope's stage checks allow no bad point: no budget to hide in)"]
     checks = [(c, "") for c in entry["checks"]]
     checks += [(c, " (against the golden recomputed from in/)") for c in entry.get("recomputed_checks", [])]
     cells: dict[str, dict[str, str]] = {}
