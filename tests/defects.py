@@ -265,6 +265,7 @@ class CacheTamperedAfterAttention(StageDefect):
 
     stages = ("cache_insert", "attention")
     ranks: tuple[int, ...] = (1,)
+    groups: tuple[int, ...] | None = None  # the TP groups of a dp x tp launch it tampers in (None: all)
     tokens = slice(-2, None)  # the rank's last two tokens
 
     def tamper(self, rank: int, rows: torch.Tensor, before: torch.Tensor) -> None:
@@ -279,7 +280,7 @@ class CacheTamperedAfterAttention(StageDefect):
             self._before = flat[self._slots].clone()
             return stage.run(ctx, v)
         out = stage.run(ctx, v)
-        if ctx.rank in self.ranks:
+        if ctx.rank in self.ranks and (self.groups is None or ctx.group_index in self.groups):
             rows = flat[self._slots]
             self.tamper(ctx.rank, rows, self._before)
             flat[self._slots] = rows
@@ -301,6 +302,12 @@ class HugeValueInCache(CacheTamperedAfterAttention):
 
     def tamper(self, rank, rows, before):
         rows[0, 0] = 1e30
+
+
+class HugeValueInGroup1Cache(HugeValueInCache):
+    """HugeValueInCache in TP group 1 of a dp x tp launch only."""
+
+    groups = (1,)
 
 
 class SkipWriteAndHugeValue(CacheTamperedAfterAttention):

@@ -93,6 +93,16 @@ def test_moe_one_absurd_x_next_value_fails_integrity(tp_run):
     assert off.exit_code == 0, off
 
 
+def test_several_tp_groups_name_the_group_that_fails_integrity(tp_run):
+    run = tp_run(layer="swa", tp=2, dp=2, model="tiny", impl=defects.HugeValueInGroup1Cache)
+    assert run.exit_code == 1, run
+    _reference_passes(run)
+    g0, g1 = run.result["groups"]
+    assert g0["passed"] and g0["integrity"]["passed"] and g1["reference_passed"] and not g1["integrity"]["passed"]
+    assert run.result["integrity"]["passed"] is False
+    assert "reference verdict: PASS, integrity: FAIL (group 1 kv_cache cap: 1 value(s)" in run.report
+
+
 def test_sweep_rows_show_the_integrity_verdict(tmp_path):
     p, summary, junit = multirun(tmp_path, "layer=swa", "model=tiny", "tp=2",
                                  "impl._target_=tests.defects.HugeValueInCache", "integrity=true,false")
