@@ -8,9 +8,6 @@ reads and writes as the layer's stage list (`MoELayer.stages`); the EP forward o
 (`moe_forward`, the stages in order); and the golden of §4, which never runs the collectives
 under test. `MoELayer` is the layer as the launcher runs it (`layer=moe ep=P`).
 
-The forward calls the math and the collectives through their module attributes (tests inject
-defects by monkeypatching them); the golden holds its own references, taken at import.
-
 The golden, per rank with bounded memory (§4, §13.4). Routed weights are the bulk of a rank
 (3 × 128 MiB int8 at flash) and are drawn by their owner only, so the routed rows are
 computed where the experts live:
@@ -199,10 +196,6 @@ def moe_forward(ctx: RankContext, tensors: Values) -> dict[str, torch.Tensor]:
 
 
 # -- the golden (§4) ---------------------------------------------------------------------------
-# The golden's own references to the math (see the module docstring).
-_G_HC_PRE, _G_HC_POST = hc.hc_pre, hc.hc_post
-_G_GATE, _G_SHARED, _G_ROUTED, _G_REDUCE = moe_math.gate, moe_math.shared_expert, moe_math.routed_experts, moe_math.reduce
-_G_REPLAY_DISPATCH, _G_REPLAY_COMBINE = routing.replay_dispatch, routing.replay_combine
 
 
 def golden_gates(case: MoECase, tensors: Values, sources: Sources) -> dict[str, torch.Tensor]:
@@ -212,8 +205,8 @@ def golden_gates(case: MoECase, tensors: Values, sources: Sources) -> dict[str, 
     parts: dict[str, list[torch.Tensor]] = {}
     for s in range(case.ep):
         src = sources(s)
-        x_mixed, post, comb = _G_HC_PRE(src["x_hc"], tensors["hc_ffn_fn"], tensors["hc_ffn_scale"], tensors["hc_ffn_base"], m)
-        x_norm_i8, x_norm_scale, indices, weights = _G_GATE(
+        x_mixed, post, comb = hc.hc_pre(src["x_hc"], tensors["hc_ffn_fn"], tensors["hc_ffn_scale"], tensors["hc_ffn_base"], m)
+        x_norm_i8, x_norm_scale, indices, weights = moe_math.gate(
             x_mixed, tensors["norm_w"], tensors["gate_w"], tensors["gate_bias"], tensors["tid2eid"], src["input_ids"],
             layer_id, n, m,
         )  # fmt: skip
@@ -228,7 +221,7 @@ def golden_dispatch(case: MoECase, dst: int, gates: Values, num_tokens: int) -> 
     stage's outputs recv_meta [P, L], recv_x [R, D] int8, recv_aux [R, 2] fp32 and recv_route
     [R] int32 (expert-major, then source, then ρ), plus recv_src [R] (each row's source)."""
     k = case.model.num_experts_per_tok
-    recv_meta, route_src, route_id = _G_REPLAY_DISPATCH(dst, gates["indices"], num_tokens, case.local_experts)
+    recv_meta, route_src, route_id = routing.replay_dispatch(dst, gates["indices"], num_tokens, case.local_experts)
     tok = route_id // k
     aux = torch.stack((gates["x_norm_scale"][route_src, tok, 0], gates["weights"][route_src, tok, route_id % k]), dim=1)
     return {"recv_meta": recv_meta, "recv_x": gates["x_norm_i8"][route_src, tok], "recv_aux": aux,
@@ -239,7 +232,7 @@ def golden_recv_y(case: MoECase, dst: int, gates: Values, routed: Values, num_to
     """§4.4–4.5 on rank `dst`: the routed outputs of every route its experts receive, recv_y
     [R_d, D] bf16 in `golden_dispatch`'s order. `routed` holds dst's routed_w* [L, ...]."""
     r = golden_dispatch(case, dst, gates, num_tokens)
-    return _G_ROUTED(r["recv_meta"].sum(dim=0), r["recv_x"], r["recv_aux"], *(routed[n] for n in ROUTED), case.model)
+    return moe_math.routed_experts(r["recv_meta"].sum(dim=0), r["recv_x"], r["recv_aux"], *(routed[n] for n in ROUTED), case.model)
 
 
 def golden_x_next(
@@ -250,13 +243,13 @@ def golden_x_next(
     `recv_ys[d]` is `golden_recv_y(case, d, …)` (rows past its R_d, e.g. gather padding, are
     ignored); `tensors` supplies the shared expert and the scalars."""
     m, n, p = case.model, int(tensors["num_tokens"]), case.ep
-    replays = [_G_REPLAY_DISPATCH(d, gates["indices"], n, case.local_experts) for d in range(p)]
+    replays = [routing.replay_dispatch(d, gates["indices"], n, case.local_experts) for d in range(p)]
     x_next = torch.empty(p, case.tokens, m.hc_mult, m.hidden_size, dtype=torch.float32)
     for s in range(p):
-        sh = _G_SHARED(gates["x_norm_i8"][s], gates["x_norm_scale"][s], *(tensors[n] for n in SHARED), m)
-        routed_y_buf = _G_REPLAY_COMBINE(s, case.tokens, m.num_experts_per_tok, replays, recv_ys)
-        ffn_out = _G_REDUCE(sh, routed_y_buf, n)
-        x_next[s] = _G_HC_POST(ffn_out, sources(s)["x_hc"], gates["post"][s], gates["comb"][s])
+        sh = moe_math.shared_expert(gates["x_norm_i8"][s], gates["x_norm_scale"][s], *(tensors[n] for n in SHARED), m)
+        routed_y_buf = routing.replay_combine(s, case.tokens, m.num_experts_per_tok, replays, recv_ys)
+        ffn_out = moe_math.reduce(sh, routed_y_buf, n)
+        x_next[s] = hc.hc_post(ffn_out, sources(s)["x_hc"], gates["post"][s], gates["comb"][s])
     return x_next
 
 
