@@ -141,8 +141,6 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     world = dp * group
     if cfg.bisect and scope != "full":
         raise ConfigError(f"bisect=true locates a divergent stage of the full layer; it needs scope=full, not scope={scope}")
-    if cfg.bisect and isinstance(case, MoECase):
-        raise ConfigError("bisect=true walks the attention layers' stages; layer=moe is compared on x_next alone")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
     if cfg.start_method not in START_METHODS:
