@@ -5,8 +5,10 @@ hc_pre, gate, shared_expert, dispatch (count exchange + int8 all-to-all-v), rout
 combine (all-to-all-v with swapped splits), reduce, hc_post — each a small function
 `stage(ctx, values) -> {written tensors}` over the spec's tensor names, listed with what it
 reads and writes as the layer's stage list (`MoELayer.stages`); the EP forward of one rank
-(`moe_forward`, the stages in order); and the golden of §4, which never runs the collectives
-under test. `MoELayer` is the layer as the launcher runs it (`layer=moe ep=P`).
+(`moe_forward`, the stages in order); the two all-to-alls replayed from every rank's inputs
+(`dispatch_reference`, `combine_reference`: bisect's judges of those stages); and the golden
+of §4, which never runs the collectives under test. `MoELayer` is the layer as the launcher
+runs it (`layer=moe ep=P`).
 
 The golden, per rank with bounded memory (§4, §13.4). Routed weights are the bulk of a rank
 (3 × 128 MiB int8 at flash) and are drawn by their owner only, so the routed rows are
