@@ -58,6 +58,8 @@ def test_tiny_multirun_summary_and_junit(tmp_path):
     assert (summary["n_jobs"], summary["passed"], summary["failed"], summary["errors"]) == (4, 4, 0, 0)
     for j in jobs:
         assert json.load(open(os.path.join(j["output_dir"], "result.json")))["passed"] is True
+        assert os.path.isfile(os.path.join(j["output_dir"], "report.html"))
+    assert os.path.isfile(os.path.join(summary["sweep_dir"], "report.html"))
     suite = junit.find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("4", "0", "0")
     cases = suite.findall("testcase")
@@ -101,6 +103,19 @@ def test_a_mismatch_alone_exits_1(tmp_path):
     p, summary, _ = multirun(tmp_path, "model=tiny", "tp=2", "impl._target_=tests.defects.PerturbRankTokens,layers.tp.TorchTP")
     assert p.returncode == EXIT_FAIL, p.stdout + p.stderr
     assert [j["verdict"] for j in summary["jobs"]] == ["FAIL", "PASS"]
+
+
+def test_a_nan_job_row_agrees_with_its_detail(tmp_path):
+    """x_out holds 8192 NaN: the comparator's n_bad counts finite points only (0); the row, the
+    table and JUnit count the NaN points as the detail does."""
+    p, summary, junit = multirun(tmp_path, "layer=swa", "model=tiny", "tp=2", "fault.kind=null,nan")
+    assert p.returncode == EXIT_FAIL, p.stdout + p.stderr
+    clean, nan = summary["jobs"]
+    assert (clean["verdict"], clean["n_bad"], clean["numel"]) == ("PASS", 0, 2 * 64 * 4 * 256)
+    assert (nan["verdict"], nan["tensor"], nan["n_bad"], nan["numel"]) == ("FAIL", "x_out", 8192, 2 * 64 * 4 * 256)
+    assert "NaN=8192" in nan["details"][0]
+    assert p.stdout[p.stdout.index("job  layer"):].splitlines()[2].split()[11] == "8192/131072"
+    assert "NaN=8192" in junit.find("testsuite").findall("testcase")[1].find("failure").text
 
 
 # -- the named sweeps, expanded as Hydra's basic sweeper expands them ----------------------------

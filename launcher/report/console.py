@@ -1,17 +1,21 @@
 """The console report of a run: what `python -m launcher` prints after the ranks are done.
 
 `render(result)` needs nothing but the result dict (`launcher.report.result`): the case line,
-the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank), each
-failing tensor's comparator account, where its errors are (the grids of
-`launcher.verify.where`, as text), the bisect table when there is one, and the verdict line.
-`fmt` and `table_lines` are the number and table formats the sweep's table shares.
+the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank, by
+each verdict's `tally`), each failing tensor's comparator account, where its errors are (the
+grids of `launcher.verify.where`, as text), the integrity checks (a table, each failing one's
+account, and the line that sets the reference verdict beside them), the bisect table when
+there is one, and the verdict line.
+`fmt`, `starts_text` and `table_lines` are the formats the sweep's table and the HTML pages
+share.
 """
 
 from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
-from launcher.report.result import verdict
+from launcher.report.result import integrity_failures, verdict, verdict_pair
 from launcher.verify.bisect import render as render_bisect
+from launcher.verify.integrity import CHECKS
 
 
 def fmt(v) -> str:
@@ -23,19 +27,54 @@ def fmt(v) -> str:
     return str(v)
 
 
+def starts_text(start_pos) -> str:
+    """A case's start positions in a table cell: the canonical set, one, or a list's first few."""
+    if start_pos is None:
+        return "canonical"
+    if isinstance(start_pos, list):
+        head = ",".join(str(s) for s in start_pos[:3])
+        return f"[{head},...]({len(start_pos)})" if len(start_pos) > 3 else f"[{head}]"
+    return str(start_pos)
+
+
 def table_lines(rows: list[list[str]]) -> list[str]:
     """Rows of cells as left-aligned columns two spaces apart (the first row is the header)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+# The keys that define a case, in the order every report shows them: the attention layers' tp /
+# local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing.
+CASE_KEYS = ("layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
+             "seed", "start_pos", "backend", "impl")
+
+
+def case_items(c: dict) -> list[tuple[str, object]]:
+    """The case's keys and values that it has, in CASE_KEYS order; dp only where there are
+    several groups."""
+    return [(k, c[k]) for k in CASE_KEYS if k in c and not (k == "dp" and c[k] in (None, 1))]
+
+
+def group_text(c: dict) -> str:
+    """The size of the case's process group as a key: `ep=P` for the MoE layer, `tp=N` else."""
+    return f"ep={c['ep']}" if "ep" in c else f"tp={c.get('tp')}"
+
+
 def case_line(c: dict) -> str:
-    """The case as `key=value` pairs: the attention layers' tp / local_t / start_pos, the MoE
-    layer's ep / layer_id / num_tokens / balanced_routing; dp where there are several groups."""
-    keys = ["layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
-            "seed", "start_pos", "backend", "impl"]
-    cells = [f"{k}={c[k]}" for k in keys if k in c and not (k == "dp" and c[k] in (None, 1))]
-    return "dsv4-tp-harness  " + " ".join(cells)
+    """The case as `key=value` pairs (case_items)."""
+    return "dsv4-tp-harness  " + " ".join(f"{k}={v}" for k, v in case_items(c))
+
+
+def case_columns(rows: list[dict]) -> list[str]:
+    """The case keys a table of sweep jobs shows: the attention layers' where any job is one (or
+    none is the MoE layer's), the MoE layer's where any job is one; dp where a job had several
+    groups."""
+    moe = any(r.get("ep") is not None for r in rows)
+    attention = not moe or any(r.get("tp") is not None for r in rows)
+    grouped = any((r.get("dp") or 1) > 1 for r in rows)
+    return [*(["tp"] if attention else []), *(["ep"] if moe else []), *(["dp"] if grouped else []),
+            *(["local_t"] if attention else []), *(["layer_id", "num_tokens", "balanced_routing"] if moe else []),
+            *(["start_pos"] if attention else [])]
 
 
 def render(result: dict) -> str:
@@ -79,20 +118,24 @@ def render(result: dict) -> str:
         lines.append("VERDICT: UNCHECKED (golden=false: a performance run; no golden was computed and nothing "
                      f"was compared) ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
-    lines.append(_reference_line(result))
+    lines.append(reference_line(result))
     if "groups" in result:  # several TP groups: each group's verdicts, its ranks named globally
         for g in result["groups"]:
             lines.append(f"group {g['group']} (global ranks {g['ranks'][0]}-{g['ranks'][-1]}, seed {g['seed']}): "
                          f"{'PASS' if g['passed'] else 'FAIL'}")
-            lines += ["  " + ln for ln in _verdict_lines(g["verdicts"], g["ranks"])]
+            lines += ["  " + ln for ln in _verdict_lines(g["verdicts"], g["ranks"]) + _integrity_lines(g["integrity"])]
     else:
         lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
         lines += _verdict_lines(result["recomputed_verdicts"])
+    if "groups" not in result:
+        lines += _integrity_lines(result["integrity"])
+    lines.append(verdict_pair(result))
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
-    failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
+    failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]}
+                    | {c["tensor"] for c in integrity_failures(result)})
     groups = [g["group"] for g in result.get("groups", []) if not g["passed"]]
     where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}" if groups else ""
     lines.append(f"VERDICT: {verdict(result)}" + (f" {failed}{where}" if failed else "") + f" ({result['wall_s']:.1f}s)")
@@ -119,7 +162,8 @@ def bench_lines(bench: dict) -> list[str]:
     return lines
 
 
-def _reference_line(result: dict) -> str:
+def reference_line(result: dict) -> str:
+    """Which reference the verdicts compare against: the golden (and from where) or a snapshot."""
     if result.get("reference") == "snapshot":
         return f"reference: snapshot {result['golden_data']}/out"
     hits = result.get("golden_cache_hits", [])
@@ -134,11 +178,12 @@ def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) 
     group's own rank numbers."""
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
     for v in verdicts:
-        f = v.get("figures", {})
-        rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")), v["label"]])
-        for pr in v.get("per_rank", []):
+        t = v["tally"]
+        rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(t), fmt(t["max_abs_diff"]), fmt(t["worst"]), v["label"]])
+        worst = {pr["rank"]: pr.get("worst") for pr in v.get("per_rank", [])}
+        for pr in t["per_rank"]:
             rank = str(pr["rank"]) if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
-            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
+            rows.append(["", rank, "ok" if not pr["n_bad"] else "bad", _bad(pr), fmt(pr["max_abs_diff"]), fmt(worst.get(pr["rank"])), ""])
     lines = table_lines(rows)
     for v in verdicts:
         if not v["passed"]:
@@ -149,9 +194,30 @@ def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) 
 
 
 def _bad(figures: dict) -> str:
-    if "n_bad" not in figures:
+    if figures.get("n_bad") is None:
         return "-"
     return f"{figures['n_bad']}/{figures.get('numel', '?')}"
+
+
+def _integrity_lines(entry: dict) -> list[str]:
+    """One row per tensor, one column per integrity check (bad/looked at), then the failures."""
+    if not entry["enabled"]:
+        return ["integrity: off (integrity=false: the reference comparators alone decide)"]
+    if not entry["checks"]:
+        return ["integrity: no checks here (a focused scope's stage checks allow no bad point: no budget to hide in)"]
+    checks = [(c, "") for c in entry["checks"]]
+    checks += [(c, " (against the golden recomputed from in/)") for c in entry.get("recomputed_checks", [])]
+    cells: dict[str, dict[str, str]] = {}
+    for c in entry["checks"]:
+        f = c["figures"]
+        cells.setdefault(c["tensor"], {})[c["check"]] = f"{f['n_bad']}/{f['numel']}" + ("" if c["passed"] else " FAIL")
+    rows = [["integrity", *CHECKS]] + [[t, *(got.get(k, "-") for k in CHECKS)] for t, got in cells.items()]
+    lines = table_lines(rows)
+    for c, against in checks:
+        if not c["passed"]:
+            lines.append(f"{c['tensor']} integrity {c['check']} FAIL{against}")
+            lines += c["detail"].splitlines()
+    return lines
 
 
 # -- where the errors are ----------------------------------------------------------------------

@@ -4,9 +4,12 @@
 each job starts and ends, and at the end of the multirun writes, into the sweep directory:
 
 * `summary.json`: `{"sweep_dir", "n_jobs", "passed", "failed", "errors", "skipped", "jobs": [...]}`,
-  one entry per job (its overrides, case, verdict, worst tensor and figures, message, wall time);
-* `junit.xml`: one testsuite, one testcase per job; a FAIL carries the comparators' messages
-  as `<failure>`, a crashed or refused job an `<error>`, a fail_fast skip `<skipped>`;
+  one entry per job (its overrides, case, verdict, the reference verdict and the integrity
+  verdict beside it, worst tensor and the figures of its row, message, wall time);
+* `junit.xml`: one testsuite, one testcase per job; a FAIL carries the comparators' and the
+  failing integrity checks' messages as `<failure>`, a crashed or refused job an `<error>`, a
+  fail_fast skip `<skipped>`;
+* `report.html`: the same jobs as a page, each linking to its own (`launcher.report.sweep_page`);
 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
 (`launcher.cli.execute` writes one for every outcome), so a crashed job has its row too.
@@ -31,23 +34,36 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.report import progress
-from launcher.report.console import fmt, table_lines
-from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, verdict
+from launcher.report.console import case_columns, fmt, starts_text, table_lines
+from launcher.report.result import (
+    EXIT_ERROR,
+    EXIT_FAIL,
+    EXIT_PASS,
+    check_name,
+    integrity_failures,
+    integrity_verdict,
+    verdict,
+    verdict_pair,
+)
+from launcher.report.sweep_page import write_sweep_page
 
 SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP", "unchecked": "UNCHECKED"}
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
 # which already decides the sweep's status.
 EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS, "UNCHECKED": EXIT_PASS}
+# The MoE layer's case keys a job's row carries (only its rows: an attention job's stay as they were).
+MOE_KEYS = ("ep", "layer_id", "num_tokens", "balanced_routing")
 
 
 # -- one row per job ---------------------------------------------------------------------------
 
 
-def _worst(verdicts: list[dict]) -> dict | None:
-    """The verdict to name in a summary: a failing one first, then the largest max |diff|, then
-    the latest in validation order (x_out, the layer's output, comes last)."""
+def _worst(verdicts: list[dict], failed: set[str]) -> dict | None:
+    """The verdict to name in a summary: one of a failed tensor (reference or integrity) first,
+    then the largest max |diff|, then the latest in validation order (x_out, the layer's
+    output, comes last)."""
     def key(v):
-        return (not v["passed"], v.get("figures", {}).get("max_abs_diff") or 0.0)
+        return (v["tensor"] in failed, v["tally"]["max_abs_diff"] or 0.0)
 
     return max(reversed(verdicts), key=key, default=None)
 
@@ -62,21 +78,27 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         return row
     case = result["case"]
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
+    row.update({k: case[k] for k in MOE_KEYS if k in case})
     row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
     failed = [v for v in verdicts if not v["passed"]]
-    row["failed_tensors"] = sorted({v["tensor"] for v in failed})
-    worst = _worst(verdicts)
-    figures = worst.get("figures", {}) if worst else {}
+    broken = integrity_failures(result)
+    row["failed_tensors"] = sorted({v["tensor"] for v in failed} | {c["tensor"] for c in broken})
+    worst = _worst(verdicts, set(row["failed_tensors"]))
+    tally = worst["tally"] if worst else {}
     row.update(
         tensor=worst["tensor"] if worst else None,
         comparator=worst["label"] if worst else None,
-        max_abs_diff=figures.get("max_abs_diff"),
-        worst=figures.get("worst"),
-        n_bad=figures.get("n_bad"),
-        numel=figures.get("numel"),
+        max_abs_diff=tally.get("max_abs_diff"),
+        worst=tally.get("worst"),
+        n_bad=tally.get("n_bad"),
+        numel=tally.get("numel"),
     )
+    if "integrity" in result:  # a run that compared
+        row["reference_verdict"] = "PASS" if result["reference_passed"] else "FAIL"
+        row["integrity"] = ("PASS" if result["integrity"]["passed"] else "FAIL") if result["integrity"]["enabled"] else "off"
+        row["integrity_failed"] = [check_name(c) for c in broken]
     row["verdict"] = verdict(result)
     row["exit_code"] = EXIT_CODES[row["verdict"]]
     if result.get("bench"):
@@ -89,32 +111,26 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         row["message"] = f"{where}{stage}{e['message']}"
         row["traceback"] = e.get("traceback", "")
     else:
-        row["message"] = "; ".join(f"{v['tensor']} FAIL ({v['label']})" for v in failed)
+        messages = [f"{v['tensor']} FAIL ({v['label']})" for v in failed]
+        if broken:  # the integrity verdict beside the reference one, when it decides
+            messages.append(integrity_verdict(result) if failed else verdict_pair(result))
+        row["message"] = "; ".join(messages)
         row["details"] = [f"{v['tensor']} FAIL ({v['label']})\n{v['detail']}" for v in failed]
+        row["details"] += [f"{check_name(c)} integrity FAIL\n{c['detail']}" for c in broken]
     return row
-
-
-def _starts_text(start_pos) -> str:
-    if start_pos is None:
-        return "canonical"
-    if isinstance(start_pos, list):
-        head = ",".join(str(s) for s in start_pos[:3])
-        return f"[{head},...]({len(start_pos)})" if len(start_pos) > 3 else f"[{head}]"
-    return str(start_pos)
 
 
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
-    grouped = any((r.get("dp") or 1) > 1 for r in rows)
-    head = ["job", "layer", "scope", "model", "tp", *(["dp"] if grouped else []), "local_t", "start_pos", "verdict",
-            "tensor", "max|diff|", "bad", "wall_s"]
+    keys = case_columns(rows)
+    head = ["job", "layer", "scope", "model", *keys, "verdict", "integrity", "tensor", "max|diff|", "bad", "wall_s"]
     benched = any(r.get("bench_median_s") is not None for r in rows)
     cells = [head + ["bench_ms"] if benched else head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
-        cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
-                      *([fmt(r.get("dp"))] if grouped else []), fmt(r.get("local_t")), _starts_text(r.get("start_pos")),
-                      r["verdict"], fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
+        case = [starts_text(r.get(k)) if k == "start_pos" else fmt(r.get(k)) for k in keys]
+        cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), *case,
+                      r["verdict"], fmt(r.get("integrity")), fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
         if benched:
             median = r.get("bench_median_s")
             cells[-1].append(fmt(median * 1e3) if median is not None else "-")
@@ -254,18 +270,20 @@ def collect_rows(sweep_dir: str, interrupted: bool = False) -> list[dict]:
 
 
 def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
-    """summary.json, junit.xml and the table of the sweep in `sweep_dir`; its exit status."""
+    """summary.json, junit.xml, report.html and the table of the sweep in `sweep_dir`; its exit
+    status."""
     rows = collect_rows(sweep_dir, interrupted)
     counts = {name: sum(r["verdict"] == v for r in rows) for name, v in SUMMARY_COUNTS.items()}
     summary = {"sweep_dir": os.path.abspath(sweep_dir), "n_jobs": len(rows), **counts, "interrupted": interrupted,
                "jobs": rows}
     _write_json(os.path.join(sweep_dir, "summary.json"), summary)
     junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
+    page = write_sweep_page(sweep_dir, summary)
     print("\n".join(table(rows)))
     unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
     print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors{unchecked}, "
           f"{counts['skipped']} skipped of {len(rows)}{' (interrupted)' if interrupted else ''}; "
-          f"summary.json and junit.xml in {sweep_dir}")
+          f"summary.json, junit.xml{' and report.html' if page else ''} in {sweep_dir}")
     return exit_status(rows)
 
 
