@@ -5,11 +5,10 @@ hc_pre, gate, shared_expert, dispatch (count exchange + int8 all-to-all-v), rout
 combine (all-to-all-v with swapped splits), reduce, hc_post — each a small function
 `stage(ctx, values) -> {written tensors}` over the spec's tensor names, listed with what it
 reads and writes as the layer's stage list (`MoELayer.stages`); the EP forward of one rank
-(`moe_forward`, the stages in order); and the golden of §4, which never runs the collectives
-under test. `MoELayer` is the layer as the launcher runs it (`layer=moe ep=P`).
-
-The forward calls the math and the collectives through their module attributes (tests inject
-defects by monkeypatching them); the golden holds its own references, taken at import.
+(`moe_forward`, the stages in order); the two all-to-alls replayed from every rank's inputs
+(`dispatch_reference`, `combine_reference`: bisect's judges of those stages); and the golden
+of §4, which never runs the collectives under test. `MoELayer` is the layer as the launcher
+runs it (`layer=moe ep=P`).
 
 The golden, per rank with bounded memory (§4, §13.4). Routed weights are the bulk of a rank
 (3 × 128 MiB int8 at flash) and are drawn by their owner only, so the routed rows are
@@ -50,7 +49,7 @@ from .components import hc
 from .components import moe as moe_math
 from .components import moe_routing as routing
 from .contract.case import MoECase
-from .contract.checks import AllcloseCheck, RelDiffCheck
+from .contract.checks import ActiveRowsCheck, AllcloseCheck, RelDiffCheck
 from .contract.config import ConfigError
 from .contract.context import RankContext
 from .contract.stage import Stage
@@ -63,6 +62,7 @@ Values = Mapping[str, torch.Tensor]
 # A source rank's own inputs (x_hc, input_ids) by rank: a fixture's keyed draw or a snapshot slice.
 Sources = Callable[[int], Mapping[str, torch.Tensor]]
 
+DISPATCH_RECEIVED = ("recv_meta", "recv_x", "recv_aux", "recv_route")
 ROUTED = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
 SHARED = ("shared_w1", "shared_w1_scale", "shared_w3", "shared_w3_scale", "shared_w2", "shared_w2_scale")
 
@@ -156,6 +156,36 @@ def combine(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
                                        ctx.case.tokens, k)}  # fmt: skip
 
 
+# -- the two all-to-alls from every rank's inputs (bisect's judges: no collective under test) ------
+def dispatch_reference(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§4.4 replayed for this rank from every source's gate outputs (stacked [P, ...]): what it
+    sends (send_meta, send_route in (dst, e, ρ) order) and what it receives."""
+    case, me, n = ctx.case, ctx.rank, int(v["num_tokens"])
+    replays = [routing.replay_dispatch(d, v["indices"], n, case.local_experts) for d in range(case.ep)]
+    send_meta = torch.stack([recv_meta[me] for recv_meta, _src, _rho in replays])
+    send_route = torch.cat([rho[src == me] for _meta, src, rho in replays]).to(torch.int32)
+    received = golden_dispatch(case, me, v, n)
+    return {"send_meta": send_meta, "send_route": send_route, **{name: received[name] for name in DISPATCH_RECEIVED}}
+
+
+def combine_reference(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    """§3.2 from every rank's receive side (each rank's tensors, rows differ): row j of rank d's
+    recv_y, from source s by d's recv_meta (expert-major, then source), goes to s's
+    routed_y_buf at the route id it carries, recv_route[j]; this rank keeps the rows s = me."""
+    case, me = ctx.case, ctx.rank
+    p, routes = case.ep, case.tokens * ctx.model.num_experts_per_tok
+    buf = torch.zeros(routes, ctx.model.hidden_size, dtype=torch.bfloat16)
+    for d in range(p):
+        meta = v["recv_meta"][d]  # [P, L]
+        src = torch.repeat_interleave(torch.arange(p).repeat(case.local_experts), meta.t().reshape(-1).long())
+        # an implementation whose rows disagree with its counts is judged on what pairs up
+        rows = min(src.numel(), v["recv_y"][d].shape[0], v["recv_route"][d].shape[0])
+        rho = v["recv_route"][d][:rows].long()
+        mine = (src[:rows] == me) & (rho >= 0) & (rho < routes)
+        buf[rho[mine]] = v["recv_y"][d][:rows][mine]
+    return {"routed_y_buf": buf}
+
+
 def reduce(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
     """§3.3: ffn_out [T, D] bf16 = sh + the K routed rows of each active token, in k order."""
     return {"ffn_out": moe_math.reduce(v["sh"], v["routed_y_buf"], int(v["num_tokens"]))}
@@ -166,24 +196,33 @@ def hc_post(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
     return {"x_next": hc.hc_post(v["ffn_out"], v["x_hc"], v["post"], v["comb"])}
 
 
+def _active(check, rows_per_token: int = 1, order_by: str | None = None) -> ActiveRowsCheck:
+    return ActiveRowsCheck(check, "num_tokens", rows_per_token, order_by)
+
+
 def _stages(model) -> tuple[Stage, ...]:
     """The stages of §3 in order, each output judged as bisect would a stage of the attention
-    layers: codes and routing bitwise, bf16 results within 1–2 ulps, fp32 within 1e-4."""
-    x_next = checks_of(model)[0]
+    layers (codes and routing bitwise, bf16 results within 1–2 ulps, fp32 within 1e-4) with
+    §13.5's masks: gate outputs on the active tokens, their index rows as sets (weights paired),
+    routed_y_buf on the active routes; the compact receive rows are all filled. The dispatch
+    lists what a rank sends before what it receives, so bisect names a bad route's source."""
+    x_next, k = checks_of(model)[0], model.num_experts_per_tok
     return (
         Stage("hc_pre", ("x_hc", "hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base"),
               (judged(bf16_close("x_mixed")), judged(fp32_close("post")), judged(fp32_close("comb"))), hc_pre),
         Stage("gate", ("x_mixed", "norm_w", "gate_w", "gate_bias", "tid2eid", "input_ids", "layer_id", "num_tokens"),
-              (judged(AllcloseCheck("x_norm_i8", atol=1, rtol=0)), judged(fp32_close("x_norm_scale")),
-               judged(exact("indices")), judged(fp32_close("weights"))), gate),
+              (judged(_active(AllcloseCheck("x_norm_i8", atol=1, rtol=0))), judged(_active(fp32_close("x_norm_scale"))),
+               judged(_active(exact("indices"), order_by="indices")),
+               judged(_active(fp32_close("weights"), order_by="indices"))), gate),
         Stage("shared_expert", ("x_norm_i8", "x_norm_scale", *SHARED), (judged(bf16_close("sh")),), shared_expert),
         Stage("dispatch", ("x_norm_i8", "x_norm_scale", "indices", "weights", "num_tokens"),
-              tuple(judged(exact(n)) for n in ("send_meta", "send_route", "recv_meta", "recv_x", "recv_aux",
-                                                "recv_route")), dispatch, every_rank=("indices",)),
+              tuple(judged(exact(n)) for n in ("send_meta", "send_route", *DISPATCH_RECEIVED)), dispatch,
+              reference=dispatch_reference, every_rank=("x_norm_i8", "x_norm_scale", "indices", "weights")),
         Stage("routed_experts", ("recv_meta", "recv_x", "recv_aux", *ROUTED), (judged(bf16_close("recv_y")),),
               routed_experts),
-        Stage("combine", ("recv_y", "recv_meta", "send_meta", "send_route"), (judged(exact("routed_y_buf")),), combine,
-              every_rank=("recv_y",)),
+        Stage("combine", ("recv_y", "recv_meta", "recv_route", "send_meta", "send_route"),
+              (judged(_active(exact("routed_y_buf"), rows_per_token=k)),), combine,
+              reference=combine_reference, every_rank=("recv_y", "recv_meta", "recv_route")),
         Stage("reduce", ("sh", "routed_y_buf", "num_tokens"), (judged(bf16_close("ffn_out")),), reduce),
         Stage("hc_post", ("ffn_out", "x_hc", "post", "comb"), (judged(fp32_close("x_next"), x_next),), hc_post),
     )  # fmt: skip
@@ -199,10 +238,6 @@ def moe_forward(ctx: RankContext, tensors: Values) -> dict[str, torch.Tensor]:
 
 
 # -- the golden (§4) ---------------------------------------------------------------------------
-# The golden's own references to the math (see the module docstring).
-_G_HC_PRE, _G_HC_POST = hc.hc_pre, hc.hc_post
-_G_GATE, _G_SHARED, _G_ROUTED, _G_REDUCE = moe_math.gate, moe_math.shared_expert, moe_math.routed_experts, moe_math.reduce
-_G_REPLAY_DISPATCH, _G_REPLAY_COMBINE = routing.replay_dispatch, routing.replay_combine
 
 
 def golden_gates(case: MoECase, tensors: Values, sources: Sources) -> dict[str, torch.Tensor]:
@@ -212,8 +247,8 @@ def golden_gates(case: MoECase, tensors: Values, sources: Sources) -> dict[str, 
     parts: dict[str, list[torch.Tensor]] = {}
     for s in range(case.ep):
         src = sources(s)
-        x_mixed, post, comb = _G_HC_PRE(src["x_hc"], tensors["hc_ffn_fn"], tensors["hc_ffn_scale"], tensors["hc_ffn_base"], m)
-        x_norm_i8, x_norm_scale, indices, weights = _G_GATE(
+        x_mixed, post, comb = hc.hc_pre(src["x_hc"], tensors["hc_ffn_fn"], tensors["hc_ffn_scale"], tensors["hc_ffn_base"], m)
+        x_norm_i8, x_norm_scale, indices, weights = moe_math.gate(
             x_mixed, tensors["norm_w"], tensors["gate_w"], tensors["gate_bias"], tensors["tid2eid"], src["input_ids"],
             layer_id, n, m,
         )  # fmt: skip
@@ -228,7 +263,7 @@ def golden_dispatch(case: MoECase, dst: int, gates: Values, num_tokens: int) -> 
     stage's outputs recv_meta [P, L], recv_x [R, D] int8, recv_aux [R, 2] fp32 and recv_route
     [R] int32 (expert-major, then source, then ρ), plus recv_src [R] (each row's source)."""
     k = case.model.num_experts_per_tok
-    recv_meta, route_src, route_id = _G_REPLAY_DISPATCH(dst, gates["indices"], num_tokens, case.local_experts)
+    recv_meta, route_src, route_id = routing.replay_dispatch(dst, gates["indices"], num_tokens, case.local_experts)
     tok = route_id // k
     aux = torch.stack((gates["x_norm_scale"][route_src, tok, 0], gates["weights"][route_src, tok, route_id % k]), dim=1)
     return {"recv_meta": recv_meta, "recv_x": gates["x_norm_i8"][route_src, tok], "recv_aux": aux,
@@ -239,7 +274,7 @@ def golden_recv_y(case: MoECase, dst: int, gates: Values, routed: Values, num_to
     """§4.4–4.5 on rank `dst`: the routed outputs of every route its experts receive, recv_y
     [R_d, D] bf16 in `golden_dispatch`'s order. `routed` holds dst's routed_w* [L, ...]."""
     r = golden_dispatch(case, dst, gates, num_tokens)
-    return _G_ROUTED(r["recv_meta"].sum(dim=0), r["recv_x"], r["recv_aux"], *(routed[n] for n in ROUTED), case.model)
+    return moe_math.routed_experts(r["recv_meta"].sum(dim=0), r["recv_x"], r["recv_aux"], *(routed[n] for n in ROUTED), case.model)
 
 
 def golden_x_next(
@@ -250,13 +285,13 @@ def golden_x_next(
     `recv_ys[d]` is `golden_recv_y(case, d, …)` (rows past its R_d, e.g. gather padding, are
     ignored); `tensors` supplies the shared expert and the scalars."""
     m, n, p = case.model, int(tensors["num_tokens"]), case.ep
-    replays = [_G_REPLAY_DISPATCH(d, gates["indices"], n, case.local_experts) for d in range(p)]
+    replays = [routing.replay_dispatch(d, gates["indices"], n, case.local_experts) for d in range(p)]
     x_next = torch.empty(p, case.tokens, m.hc_mult, m.hidden_size, dtype=torch.float32)
     for s in range(p):
-        sh = _G_SHARED(gates["x_norm_i8"][s], gates["x_norm_scale"][s], *(tensors[n] for n in SHARED), m)
-        routed_y_buf = _G_REPLAY_COMBINE(s, case.tokens, m.num_experts_per_tok, replays, recv_ys)
-        ffn_out = _G_REDUCE(sh, routed_y_buf, n)
-        x_next[s] = _G_HC_POST(ffn_out, sources(s)["x_hc"], gates["post"][s], gates["comb"][s])
+        sh = moe_math.shared_expert(gates["x_norm_i8"][s], gates["x_norm_scale"][s], *(tensors[n] for n in SHARED), m)
+        routed_y_buf = routing.replay_combine(s, case.tokens, m.num_experts_per_tok, replays, recv_ys)
+        ffn_out = moe_math.reduce(sh, routed_y_buf, n)
+        x_next[s] = hc.hc_post(ffn_out, sources(s)["x_hc"], gates["post"][s], gates["comb"][s])
     return x_next
 
 
@@ -301,6 +336,7 @@ def gather_golden(ctx: RankContext, tensors: Values, sources: Sources, gates: Va
 __all__ = [
     "tensor_specs", "checks", "MoELayer", "LAYER", "moe_forward",
     "hc_pre", "gate", "shared_expert", "dispatch", "routed_experts", "combine", "reduce", "hc_post",
+    "dispatch_reference", "combine_reference",
     "golden_gates", "golden_dispatch", "golden_recv_y", "golden_x_next", "golden_moe", "recv_rows", "gather_golden",
 ]  # fmt: skip
 

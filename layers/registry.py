@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from . import csa, hca, moe, swa
+from .moe_collectives import MoECollectivesScope
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.layer import Layer
@@ -14,6 +15,8 @@ LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER, moe.L
 # The layers the focused scopes cut into: the attention layers (their TP output half).
 ATTENTION = ("swa", "csa", "hca")
 SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, "tp1": TP1Scope}
+# The MoE layer's own focused scopes: its two all-to-alls alone.
+MOE_SCOPES = {"collectives": MoECollectivesScope}
 
 
 def layer_names() -> tuple[str, ...]:
@@ -38,6 +41,11 @@ def get_scope(layer_name: str, scope: str = "full") -> Layer:
     layer = get_layer(layer_name)
     if scope == "full":
         return layer
+    if layer_name == moe.LAYER.name:
+        if scope not in MOE_SCOPES:
+            raise ConfigError(f"scope={scope} is a part of an attention layer's TP step; layer=moe runs scope=full "
+                              f"or {', '.join(MOE_SCOPES)}")
+        return MOE_SCOPES[scope]()
     if layer_name not in ATTENTION:
         raise ConfigError(f"scope={scope} is a part of an attention layer's TP step; layer={layer_name} runs scope=full")
     return SCOPES[scope](layer)

@@ -103,8 +103,10 @@ def test_a_rank_slower_in_one_round_is_that_rounds_figure(tp_run):
     assert run.passed, run
     raw = run.result["bench"]["raw_s"]
     assert len(raw) == 4 and all(len(r) == 2 for r in raw)
-    assert raw[2][1] >= 0.3 and raw[2][1] == max(raw[2])  # round index 2 = the fourth call
-    assert run.result["bench"]["max_s"] == raw[2][1]
+    # Round index 2 is the fourth call. Rank 0 waits for rank 1 in the round's collectives, so
+    # both ranks may show the delay; the round is the slowest one either way.
+    assert raw[2][1] >= 0.3 and max(raw[2]) == max(max(r) for r in raw)
+    assert run.result["bench"]["max_s"] == max(raw[2])
     assert run.result["bench"]["per_rank"][1]["max_s"] == raw[2][1]
 
 

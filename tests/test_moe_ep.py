@@ -11,9 +11,6 @@ the rank, each deliberate defect.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from unittest import mock
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,13 +18,14 @@ import torch.distributed as dist
 from launcher.verify import build_comparator
 from layers import moe
 from layers.staged import run_stages
-from layers.components import moe_routing as routing
 from layers.contract.case import MoECase
 from layers.contract.config import TINY
 from layers.contract.context import RankContext
 from layers.distributed import ep, wire
 from layers.fixtures import moe as fixture
+from layers.tp import TorchTP
 
+from . import defects
 from .rank_harness import run_ranks
 
 SEED = 20260819
@@ -35,48 +33,12 @@ SEED = 20260819
 UNUSED = 16 + 5
 
 
-# -- deliberate defects, each inside the forward of the ranks named -----------------------------------
-def _wrong_rank(ctx):
-    """Routes go to the next rank's expert of the same local id (dst = eid // L + 1)."""
-    original = routing.send_layout
-
-    def send_layout(indices, num_tokens, p, local_experts):
-        return original((indices + local_experts) % (p * local_experts), num_tokens, p, local_experts)
-
-    return mock.patch.object(routing, "send_layout", send_layout)
-
-
-def _unswapped_combine(ctx):
-    """The combine reuses the dispatch's splits (send = my dispatch sends, receive = my dispatch
-    receives), its buffers cut or padded to fit: sizes agree pairwise, rows land wrongly."""
-
-    def combine(ctx, recv_y, recv_meta, send_meta, send_route, tokens, k):
-        back = recv_y[routing.block_transpose(recv_meta.t())]
-        s, d = int(send_meta.sum()), recv_y.shape[1]
-        fit = lambda x: torch.cat((x[:s], x.new_zeros(max(0, s - x.shape[0]), d)))  # noqa: E731
-        rows = wire.all_to_all_v(fit(back), send_meta.sum(1).tolist(), recv_meta.sum(1).tolist(), ctx.group, ctx.case.ep)
-        buf = torch.zeros(tokens * k, d, dtype=torch.bfloat16)
-        buf[send_route.long()] = fit(rows)
-        return buf
-
-    return mock.patch.object(ep, "combine", combine)
-
-
-def _no_routing_weight(ctx):
-    """The routed experts ignore the routing weight (weight 1 for every row)."""
-    from layers.components import moe as moe_math
-
-    original = moe_math.routed_experts
-
-    def routed_experts(recv_count, recv_x, recv_aux, *rest):
-        aux = recv_aux.clone()
-        aux[:, 1] = 1.0
-        return original(recv_count, recv_x, aux, *rest)
-
-    return mock.patch.object(moe_math, "routed_experts", routed_experts)
-
-
-DEFECTS = {"wrong_rank": _wrong_rank, "unswapped_combine": _unswapped_combine, "no_routing_weight": _no_routing_weight}
+# -- deliberate defects: the stage overrides of tests/defects.py, on the ranks named -----------------
+DEFECTS = {
+    "wrong_rank": defects.MoeRoutesToTheWrongRank,
+    "unswapped_combine": defects.MoeCombineReusesDispatchSplits,
+    "no_routing_weight": defects.MoeDropsTheRoutingWeight,
+}
 
 
 # -- one rank's job -----------------------------------------------------------------------------
@@ -107,10 +69,8 @@ def _job(rank: int, world: int, kw: dict, defect: str | None, defect_ranks: tupl
     inputs = {n: x.clone() for n, x in tensors.items()}
     if rank in past_num_tokens:
         inputs["num_tokens"] = torch.tensor(case.tokens, dtype=torch.int32)  # processes tokens t >= n
-    with ExitStack() as stack:
-        if defect and rank in defect_ranks:
-            stack.enter_context(DEFECTS[defect](ctx))
-        values = run_stages(moe.LAYER.stages(ctx.model), ctx, inputs)
+    impl = DEFECTS[defect]() if defect and rank in defect_ranks else TorchTP()
+    values = run_stages(moe.LAYER.stages(ctx.model), ctx, inputs, run_stage=impl.run_stage)
     actual = wire.gather(values["x_next"], rank, world, ctx.group)
     # the dispatch stage alone: pure data movement, so bitwise the golden's replay
     replay = moe.golden_dispatch(case, rank, gates, case.active)

@@ -64,7 +64,7 @@ def test_moe_defects_fail_naming_the_tensor_and_rank(tp_run, impl, ranks):
     (["ep=0"], "ep=0 must be in [1, 16]"),
     (["ep=17"], "ep=17 must be in [1, 16]"),
     (["num_tokens=129"], "num_tokens=129 must be in [0, 128]"),
-    (["scope=collectives"], "layer=moe runs scope=full"),
+    (["scope=tp1"], "layer=moe runs scope=full or collectives"),
 ])
 def test_bad_moe_keys_are_refused(tp_run, overrides, message):
     run = tp_run(layer="moe", model="tiny", overrides=overrides)

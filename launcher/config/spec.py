@@ -133,7 +133,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     model = ModelConfig(**model_fields)
     layer_name, scope = str(cfg.layer.name), str(cfg.scope)
     get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
-    case = _moe_case(cfg, model) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
+    case = _moe_case(cfg, model, scope) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
     group = case.group_size
     dp = int(cfg.dp)
     if dp < 1:
@@ -143,8 +143,6 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     world = dp * group
     if cfg.bisect and scope != "full":
         raise ConfigError(f"bisect=true locates a divergent stage of the full layer; it needs scope=full, not scope={scope}")
-    if cfg.bisect and isinstance(case, MoECase):
-        raise ConfigError("bisect=true walks the attention layers' stages; layer=moe is compared on x_next alone")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
     if cfg.start_method not in START_METHODS:
@@ -217,20 +215,26 @@ def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str)
                 start_pos=_start_pos(cfg.start_pos), scope=scope)
 
 
-def _moe_case(cfg: DictConfig, model: ModelConfig) -> MoECase:
+def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
     """The case of the MoE layer: its group is the EP group (`ep`, default 2) with 128 tokens
-    per rank; the attention layers' keys do not apply and are refused."""
+    per rank; the attention layers' keys do not apply and are refused, nor do the routing keys
+    under scope=collectives (its routes are its own closed-form draw)."""
     attention_keys = _given(cfg, ("tp", "local_t", "start_pos"))
     if attention_keys:
         k = attention_keys[0]
         raise ConfigError(f"{k}={cfg[k]} does not apply to layer=moe (its group is ep=P ranks of 128 tokens "
                           f"each): leave {k} out")
+    routing_keys = _given(cfg, ("layer_id", "balanced_routing")) if scope != "full" else []
+    if routing_keys:
+        k = routing_keys[0]
+        raise ConfigError(f"{k}={cfg[k]} does not apply to layer=moe scope={scope} (it routes by its own "
+                          f"integer data): leave {k} out")
     ep = int(cfg.ep) if cfg.ep is not None else DEFAULT_EP
     if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
         raise ConfigError(f"ep={ep} must be in [1, {MOE_MAX_EP}] (E = 16·ep experts; score routing sorts at most 256)")
     return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id or 0),
                    num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
-                   balanced_routing=bool(cfg.balanced_routing))
+                   balanced_routing=bool(cfg.balanced_routing), scope=scope)
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *,

@@ -232,6 +232,33 @@ def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -
     return outputs, f"not written: {problem}" if problem else None
 
 
+def cached_group_golden(spec: RunSpec, layer, ctx: RankContext, inputs) -> tuple[dict[str, torch.Tensor], str | None]:
+    """`cached_golden` of a layer whose golden the group computes together (`golden_of_group`):
+    read from the cache only when every rank of the group holds a whole entry, since a rank
+    that misses needs all of them to compute it."""
+    case, rank = ctx.case, ctx.rank
+    golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
+
+    def computed():
+        return layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
+
+    if spec.golden_data is not None or spec.golden_cache is None:
+        return computed(), None
+    specs = layer.tensor_specs(case)
+    ident = golden_cache.identity(case, rank, spec.threads())
+    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(case)})
+    every_hit = torch.tensor([int(hit is not None)], device=ctx.device)
+    if case.group_size > 1:
+        dist.all_reduce(every_hit, op=dist.ReduceOp.MIN, group=ctx.group)
+    if every_hit.item():
+        return hit, "hit"
+    outputs = computed()
+    problem = golden_cache.store(spec.golden_cache, ident, outputs)
+    if problem:
+        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
+    return outputs, f"not written: {problem}" if problem else None
+
+
 def compare(case, layer, actual: dict, golden: dict, context: dict, integrity_on: bool) -> tuple[list[dict], list[dict]]:
     """`(verdicts, integrity checks)`: every check of the layer in its validation order, on one
     TP group's stacked [tp, ...] tensors, and the integrity checks beside them (none when
@@ -350,8 +377,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                 if layer.golden_per_rank:
                     references["golden"], cache_status = cached_golden(spec, layer, case, inputs, grank, wo_full)
                 else:  # computed by the group together (the harness's collectives, never the impl's)
-                    golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
-                    references["golden"] = layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
+                    references["golden"], cache_status = cached_group_golden(spec, layer, ctx, inputs)
             for source, reference in references.items():
                 check_reference_finite(spec, case, layer, source, reference, inputs, rank,
                                        cached=source == "golden" and cache_status == "hit")

@@ -5,8 +5,8 @@ intermediates in dependency order and blame the first stage whose error blows up
 
 1. The golden chain: the layer's stage list (`layers.stages`) on clones of the rank's inputs.
    Cross-rank stages read every rank's golden inputs through an all-gather here and apply
-   swa.md §5.3 / §5.5's index maps (`Stage.reference`), so the golden never runs the
-   collectives under test.
+   swa.md §5.3 / §5.5's index maps, or moe.md §4.4 / §3.2's replay (`Stage.reference`), so
+   the golden never runs the collectives under test.
 2. The implementation, called as in the full run (`impl(ctx, tensors)`) with a context that
    observes stages: a stage-based implementation (`layers.tp.TorchTP` and its subclasses, a
    stage they replace included) reports each stage's outputs as it runs it. Any other
@@ -45,9 +45,18 @@ from launcher.verify.build import build_comparator
 OUTPUTS_STAGE = "outputs"
 
 
-def every_rank(ctx: RankContext, t: torch.Tensor) -> torch.Tensor:
-    """Every rank's `t` stacked `[P, ...]` on the CPU, bit-exact (raw bytes on the wire)."""
-    return wire.all_gather(t.detach().to(ctx.device), ctx.group, ctx.tp).cpu()
+def every_rank(ctx: RankContext, t: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+    """Every rank's `t` on the CPU, bit-exact (raw bytes on the wire): stacked `[P, ...]`, or
+    the list of the P tensors where their leading sizes differ (the MoE receive rows)."""
+    t = t.detach().to(ctx.device)
+    rows = wire.all_gather(torch.tensor([t.shape[0] if t.dim() else 0], device=ctx.device), ctx.group, ctx.tp)
+    rows = rows.reshape(-1).tolist()
+    if len(set(rows)) == 1:
+        return wire.all_gather(t, ctx.group, ctx.tp).cpu()
+    padded = t.new_zeros((max(rows), *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    every = wire.all_gather(padded, ctx.group, ctx.tp).cpu()
+    return [every[r, :n] for r, n in enumerate(rows)]
 
 
 def _golden_stage(stage: Stage, ctx: RankContext, args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -115,9 +124,12 @@ def _distance(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, Any]:
             "max_abs_diff": float(diff.max()) if a.numel() else 0.0}
 
 
-def _judge(check, actual: torch.Tensor, expected: torch.Tensor, ctx: RankContext, inputs: dict) -> dict[str, Any]:
+def _judge(check, actual: torch.Tensor, expected: torch.Tensor, ctx: RankContext, inputs: dict,
+           actual_outputs: dict | None = None, expected_outputs: dict | None = None) -> dict[str, Any]:
+    """One stage output's verdict; the stage's other outputs are the comparator's context (the
+    MoE weights are ordered by their indices)."""
     cmp = build_comparator(check, mapping_shape=(ctx.case.local_t,), leading_rank_axis=False)
-    v = cmp.evaluate(actual, expected, inputs=inputs)
+    v = cmp.evaluate(actual, expected, inputs=inputs, actual_outputs=actual_outputs, expected_outputs=expected_outputs)
     return {"passed": v.passed, "label": v.label, "kind": v.kind, "detail": v.detail, "figures": v.figures}
 
 
@@ -158,9 +170,10 @@ def bisect_rank(layer: Layer, ctx: RankContext, inputs: dict[str, torch.Tensor],
                 tensors.append({"tensor": name, "passed": None, "exposed": False})
                 continue
             if alone:
-                verdict = _judge(out.check, got[name], reference[name], ctx, judge_inputs)
+                verdict = _judge(out.check, got[name], reference[name], ctx, judge_inputs, got, reference)
             else:
-                verdict = _judge(out.chain_check or out.check, got[name], chain[stage.name][name], ctx, judge_inputs)
+                verdict = _judge(out.chain_check or out.check, got[name], chain[stage.name][name], ctx, judge_inputs,
+                                 got, chain[stage.name])
             tensors.append({"tensor": name, **verdict, "chain": _distance(got[name], chain[stage.name][name])})
         judged = [t["passed"] for t in tensors if t["passed"] is not None]
         rows.append({"stage": stage.name, "mode": mode, "passed": all(judged) if judged else None, "tensors": tensors})
@@ -174,6 +187,13 @@ def bisect_rank(layer: Layer, ctx: RankContext, inputs: dict[str, torch.Tensor],
         rows.append({"stage": OUTPUTS_STAGE, "mode": "isolated", "passed": all(t["passed"] for t in tensors),
                      "tensors": tensors})
     return {"rank": ctx.rank, "staged_forward": staged, "stages": rows}
+
+
+def _first_failing_output(cell: dict[str, Any]) -> int:
+    """Where a rank's first failing output is in its stage's list. A cross-rank stage lists what
+    a rank sends before what it receives (the MoE dispatch), so ordering the failing ranks by it
+    names the rank a bad route came from before the ranks it reached."""
+    return next(i for i, t in enumerate(cell["tensors"]) if t["passed"] is False)
 
 
 def merge(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -193,7 +213,9 @@ def merge(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "per_rank": [{"rank": rank, **cell} for rank, cell in cells],
         })
         if failed and first is None:
-            first = (name, failed, dict(cells)[failed[0]])
+            by_rank = dict(cells)
+            blamed = min(failed, key=lambda rank: (_first_failing_output(by_rank[rank]), rank))
+            first = (name, blamed, failed, by_rank[blamed])
     report: dict[str, Any] = {
         "diverged": first is not None,
         "stage": None, "rank": None, "ranks": [], "tensor": None, "mode": None, "label": None, "figures": None,
@@ -202,9 +224,9 @@ def merge(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "stages": table,
     }  # fmt: skip
     if first is not None:
-        name, failed, cell = first
+        name, blamed, failed, cell = first
         bad = next(t for t in cell["tensors"] if t["passed"] is False)
-        report.update(stage=name, rank=failed[0], ranks=failed, tensor=bad["tensor"], mode=cell["mode"],
+        report.update(stage=name, rank=blamed, ranks=failed, tensor=bad["tensor"], mode=cell["mode"],
                       label=bad["label"], figures=bad["figures"], detail=bad["detail"])
     return report
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from layers.contract.checks import (
+    ActiveRowsCheck,
     AllcloseCheck,
     Check,
     ExactCheck,
@@ -19,6 +20,7 @@ from layers.contract.checks import (
     StageCheck,
 )
 
+from launcher.verify.active import ActiveRows
 from launcher.verify.base import Comparator, Verdict, base_figures, initial_key
 from launcher.verify.exact import AllClose, PrefixAndTail, SentinelExact
 from launcher.verify.pool import mapped_pool_ratio_allclose
@@ -93,6 +95,9 @@ def build_comparator(check: Check, *, mapping_shape: Sequence[int], leading_rank
         return ratio_reldiff(check.diff_thd, check.pct_thd, check.max_diff_hd, rank_axis=leading_rank_axis)
     if isinstance(check, StageCheck):  # the scopes' and bisect's stage-level checks (§12.5)
         return build_stage_comparator(check, leading_rank_axis=leading_rank_axis)
+    if isinstance(check, ActiveRowsCheck):  # bisect's masked MoE stage checks (moe.md §13.5)
+        return ActiveRows(build_stage_comparator(check.check, leading_rank_axis=leading_rank_axis), check.output,
+                          check.active, check.rows_per_token, check.order_by, rank_axis=leading_rank_axis)
     raise TypeError(f"no comparator for check {check!r}")
 
 

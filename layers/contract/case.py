@@ -150,7 +150,7 @@ class MoECase:
     num_tokens: int | None = None
     balanced_routing: bool = False
     layer: str = "moe"
-    scope: str = "full"  # the MoE layer has no focused scope
+    scope: str = "full"  # or "collectives": the two all-to-alls alone (layers.moe_collectives)
 
     # -- what every case tells the launcher -------------------------------------------------------
     @property

@@ -87,6 +87,29 @@ class PrefixTailCheck(StageCheck):
     valid_axis: int = 0
 
 
-Check = Union[PoolCheck, RelDiffCheck, StageCheck]
+@dataclass(frozen=True)
+class ActiveRowsCheck:
+    """`check` on the rows of the active tokens only (moe.md §13.5, for bisect): the first
+    `rows_per_token · n` rows, n the 0-dim input named `active`. An inactive token's rows are
+    never read downstream and a device may leave them stale (moe.md pitfall 4, §3.2).
 
-__all__ = ["PoolCheck", "RelDiffCheck", "StageCheck", "ExactCheck", "AllcloseCheck", "PrefixTailCheck", "Check"]
+    `order_by`: the name of a [rows, K] index output whose rows are sets (moe.md §13.5: top-k
+    tie order may differ). Each side's rows are then taken in the ascending order of its own
+    index row, so the index sets compare order-free and a paired tensor (the routing weights)
+    moves with them.
+    """
+
+    check: StageCheck
+    active: str = "num_tokens"
+    rows_per_token: int = 1
+    order_by: str | None = None
+
+    @property
+    def output(self) -> str:
+        return self.check.output
+
+
+Check = Union[PoolCheck, RelDiffCheck, StageCheck, ActiveRowsCheck]
+
+__all__ = ["PoolCheck", "RelDiffCheck", "StageCheck", "ExactCheck", "AllcloseCheck", "PrefixTailCheck",
+           "ActiveRowsCheck", "Check"]
