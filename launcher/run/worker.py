@@ -46,7 +46,7 @@ from layers.distributed import wire
 from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.run import devices, faults, forkserver
+from launcher.run import devices, faults, forkserver, lifeline
 from launcher.store import golden_cache, snapshot
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
@@ -201,6 +201,7 @@ def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> 
 
 
 def rank_main(spec: RunSpec):
+    lifeline.die_with_parent()  # a rank never outlives its parent, whatever kills the launcher
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     if spec.nnodes > 1:
         # The rendezvous orders nodes by address and pid, not by node_rank; we number the ranks
