@@ -84,3 +84,26 @@ def test_sigkill_after_the_ranks_finished_leaves_nothing(tmp_path):
     wait_for_events(out, {0: ("compare", "done"), 1: ("gather", "done")})
     proc.kill()
     assert_all_gone(proc)
+
+
+def rank_pid(out: Path, rank: int) -> int:
+    return json.loads((out / "progress" / f"rank{rank}.pid").read_text())["pid"]
+
+
+@pytest.mark.parametrize("tp, rank, stage, why", [
+    (1, 0, "golden", "past its own deadline"),  # no peer times out, and its deadline thread is frozen
+    (2, 1, "layer", "after its peers had ended"),  # rank 0 times out; a stopped rank ignores SIGTERM
+])
+def test_a_frozen_rank_is_killed_and_named(tmp_path, tp, rank, stage, why):
+    out = tmp_path / "out"
+    proc = start_launcher(out, "layer=swa", f"tp={tp}", "model=tiny", "timeout_s=5", "golden_cache=null",
+                          "fault.kind=hang", f"fault.rank={rank}", f"fault.stage={stage}")
+    wait_for_events(out, {rank: (stage, "start")})
+    os.kill(rank_pid(out, rank), signal.SIGSTOP)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 2, stdout + stderr
+    err = json.loads((out / "result.json").read_text())["error"]
+    assert (err["rank"], err["stage"]) == (rank, stage), err
+    assert f"rank {rank} was frozen (process state T" in err["message"] and why in err["message"], err
+    assert f"rank {rank} failed in stage '{stage}'" in stdout.decode()
+    assert session_processes(proc.pid) == []

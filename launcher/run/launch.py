@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from launcher.config.spec import RunSpec
-from launcher.run import devices, forkserver
+from launcher.run import devices, forkserver, watchdog
 from launcher.run.worker import progress_path, rank_main
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
@@ -109,7 +109,12 @@ def _stderr_tail(log_dir: str | None, lines: int = 30) -> str:
 DEADLINE_NOTE = "the rank outlived its deadline (2 x timeout_s) and dumped its stacks:"
 
 
-def _describe(rank: int, f, log_root: str, run_id: str, silent: dict) -> tuple[tuple, RankFailure]:
+# How much a failure says about the root cause, most first: the rank's own error, a rank the
+# launcher's watchdog killed (frozen, or past its deadline), a casualty of a peer's failure.
+OWN, KILLED_BY_WATCHDOG, CASUALTY = 0, 1, 2
+
+
+def _describe(rank: int, f, log_root: str, run_id: str, silent: dict, killed: dict) -> tuple[tuple, RankFailure]:
     log_dir = _rank_log_dir(log_root, run_id, f.local_rank)
     msg, tb = f.message, ""
     if isinstance(msg, dict):
@@ -117,25 +122,33 @@ def _describe(rank: int, f, log_root: str, run_id: str, silent: dict) -> tuple[t
         msg = msg.get("message", "<no message>")
         m = _STAGE_NOTE.search(tb)
         stage, t = (m.group(2), float(m.group(3))) if m else (None, float(f.timestamp))
-        casualty = bool(_CASUALTY.search(str(msg)))
+        kind = CASUALTY if _CASUALTY.search(str(msg)) else OWN
     else:
         # No Python error report: the process exited on its own (os._exit, a deadline's stack
         # dump) or was killed; its progress events say in which stage, its stderr says the rest.
         stage, t = silent.get(rank, (None, float(f.timestamp)))
         where = f" in stage '{stage}'" if stage else ""
         tb = _stderr_tail(log_dir)
-        why = "it outlived its deadline" if tb.startswith(DEADLINE_NOTE) else "os._exit, a crash or a signal"
-        msg = f"rank {rank} exited with status {f.exitcode}{where} without a Python error report ({why})"
-        casualty = f.exitcode in (-15, -9) and rank not in silent  # stopped by the agent
+        if rank in killed:
+            msg, kind = killed[rank], KILLED_BY_WATCHDOG
+        else:
+            why = "it outlived its deadline" if tb.startswith(DEADLINE_NOTE) else "os._exit, a crash or a signal"
+            msg = f"rank {rank} exited with status {f.exitcode}{where} without a Python error report ({why})"
+            kind = CASUALTY if f.exitcode in (-15, -9) and rank not in silent else OWN  # stopped by the agent
     failure = RankFailure(rank=rank, stage=stage, message=str(msg), traceback=tb, exitcode=f.exitcode, log_dir=log_dir)
-    # Root cause first: not a casualty of a peer, then the earliest (sub-second) failure time.
-    return (casualty, t, rank), failure
+    # Root cause first: by kind, then the earliest (sub-second) failure time.
+    return (kind, t, rank), failure
 
 
-def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int) -> dict:
-    """The agent's failures plus every rank that left an error file before it was stopped."""
+def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int,
+                       killed: dict) -> dict:
+    """The agent's failures, every rank the watchdog killed, and every rank that left an error
+    file before it was stopped."""
     # Key by our global rank (node-major, see worker.rank_main), not the agent's numbering.
     failures = {rank_base + f.local_rank: f for f in e.failures.values()}
+    for rank in killed:  # the agent reports only the first failure it saw
+        failures.setdefault(rank, ProcessFailure(local_rank=rank - rank_base, pid=-1, exitcode=-signal.SIGKILL,
+                                                 error_file=""))
     for local_rank in range(nproc):
         rank = rank_base + local_rank
         log_dir = _rank_log_dir(log_root, run_id, local_rank)
@@ -171,12 +184,15 @@ def _unfinished_stages(output_dir: str, ranks) -> dict[int, tuple[str, float]]:
     return open_stage
 
 
-def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0) -> RankFailure:
+def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0,
+             killed: dict | None = None) -> RankFailure:
+    """The root-cause failure; `killed`: the ranks the launcher's watchdog killed, and why."""
     nproc = spec.local_ranks
-    failures = _recorded_failures(e, log_root, run_id, nproc, rank_base)
+    killed = killed or {}
+    failures = _recorded_failures(e, log_root, run_id, nproc, rank_base, killed)
     silent = _unfinished_stages(spec.output_dir, range(rank_base, rank_base + nproc))
-    ranked = sorted(_describe(r, f, log_root, run_id, silent) for r, f in failures.items())
-    casualties_only = all(key[0] for key, _ in ranked)
+    ranked = sorted(_describe(r, f, log_root, run_id, silent, killed) for r, f in failures.items())
+    casualties_only = all(key[0] == CASUALTY for key, _ in ranked)
     if casualties_only and silent:
         # Every error report blames a peer: the root cause is a rank that stopped in a stage
         # without one (it hung, or exited without a Python error).
@@ -214,10 +230,13 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
     logging.getLogger("torchelastic-events-null").setLevel(logging.WARNING)  # per-worker status events
+    ranks = range(spec.rank_base, spec.rank_base + spec.local_ranks)
     try:
-        results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
+        with watchdog.RankWatchdog(spec.output_dir, ranks, spec.deadline_s) as dog:
+            results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
     except ChildFailedError as e:
-        return LaunchOutcome(result=None, failure=_failure(e, spec, log_root, run_id, spec.rank_base), log_dir=log_root)
+        failure = _failure(e, spec, log_root, run_id, spec.rank_base, dog.killed)
+        return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except RendezvousTimeoutError as e:
         failure = RankFailure(
             rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,

@@ -46,7 +46,7 @@ from layers.distributed import wire
 from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.run import devices, faults, forkserver, lifeline
+from launcher.run import devices, faults, forkserver, lifeline, watchdog
 from launcher.store import golden_cache, snapshot
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
@@ -212,6 +212,7 @@ def rank_main(spec: RunSpec):
             if ifname:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname  # the interface that reaches node 0
     rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    watchdog.write_pid_file(spec.output_dir, rank)
     _setup_logging(rank)
     # A rank that outlives its deadline (hung outside any collective) dumps every thread's
     # stack into its stderr log and exits, so a run can never hang forever.
