@@ -17,8 +17,9 @@ import time
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from layers.contract.config import ConfigError
@@ -77,6 +78,34 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
     return exit_code(result)
+
+
+class OutputFolder(Callback):
+    """Creates the run's (or the sweep's) output folder before Hydra does: one that cannot be
+    created is refused with one line and exit status 2, not a traceback from Hydra's mkdir."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        _create_output_folder(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _create_output_folder(config, "hydra.sweep.dir")
+
+
+def _create_output_folder(config: DictConfig, key: str) -> None:
+    progress.composition_done()  # the error line goes to the terminal
+    try:
+        os.makedirs(str(OmegaConf.select(config, key)), exist_ok=True)  # claims a ${fresh_dir:...} folder
+        return
+    except (OSError, OmegaConfBaseException) as e:
+        cause = e
+        while cause is not None and not isinstance(cause, (OSError, ConfigError)):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            why = f"{key}: {cause.filename} cannot be created ({cause.strerror}); choose a writable folder"
+        else:
+            why = " ".join(str(cause or e).split())
+    print(f"error: {why}", file=sys.stderr)
+    raise SystemExit(EXIT_ERROR)
 
 
 @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)

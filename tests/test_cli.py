@@ -3,14 +3,21 @@ print-only flags launch nothing; a run leaves nothing behind in the temp dir."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from launcher.report.result import EXIT_ERROR
 from launcher.run.preflight import preflight
 from layers.contract.config import ConfigError
 
-from .conftest import run_cli
+from .conftest import REPO, run_cli
 
 
 def _preflight(*overrides: str):
@@ -102,3 +109,38 @@ def test_a_run_leaves_nothing_in_the_temp_dir(tmp_path, impl, code):
                 timeout=120, env={"TMPDIR": str(tmp)})
     assert p.returncode == code, p.stdout + p.stderr
     assert sorted(x.name for x in tmp.iterdir()) == []
+
+
+def _launcher(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=cwd, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_launchers_started_together_keep_two_results(tmp_path):
+    # The default folder is ${fresh_dir:outputs/<date>/<time>}; here both launchers name the
+    # same second on purpose.
+    with initialize_config_module(config_module="configs", version_base=None):
+        hydra_cfg = compose(config_name="config", return_hydra_config=True).hydra
+    assert OmegaConf.to_container(hydra_cfg.run)["dir"].startswith("${fresh_dir:outputs/${now:")
+    assert OmegaConf.to_container(hydra_cfg.sweep)["dir"].startswith("${fresh_dir:multirun/${now:")
+    args = ["layer=swa", "tp=2", "model=tiny", "golden_cache=null", "hydra.run.dir=${fresh_dir:outputs/same}"]
+    procs = [_launcher(args, tmp_path), _launcher([*args, "impl=tests.defects.PerturbRankTokens"], tmp_path)]
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 1], [p.communicate() for p in procs]
+    results = [json.loads(p.read_text()) for p in sorted((tmp_path / "outputs").glob("same*/result.json"))]
+    assert sorted(r["case"]["impl"] for r in results) == ["layers.tp.TorchTP", "tests.defects.PerturbRankTokens"]
+
+
+@pytest.mark.parametrize("args", [
+    ["hydra.run.dir=FILE/sub"],
+    ["hydra.run.dir=${fresh_dir:FILE/sub}"],
+    ["-m", "hydra.sweep.dir=FILE/sub"],
+])
+def test_an_output_folder_that_cannot_be_created_is_one_error_line(tmp_path, args):
+    (tmp_path / "file").write_text("")
+    args = [a.replace("FILE", str(tmp_path / "file")) for a in args]
+    p = _launcher(["layer=swa", "tp=1", "model=tiny", *args], tmp_path)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_ERROR, out + err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"{tmp_path}/file" in lines[0], err

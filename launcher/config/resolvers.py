@@ -21,6 +21,8 @@ from omegaconf import OmegaConf
 from layers.contract.case import TOKEN_TILE
 from layers.contract.config import ModelConfig
 
+from launcher.config.output_dirs import fresh_dir
+
 
 def row_block(decode_seq: int) -> int:
     """The token row block: lcm(TOKEN_TILE, decode_seq) tokens, whole requests and whole tiles."""
@@ -61,7 +63,9 @@ def mixed_starts(*, _root_) -> list[int]:
 
 
 def register_resolvers() -> None:
-    """Make the resolvers known to OmegaConf (before any config is composed)."""
+    """Make the resolvers known to OmegaConf (before any config is composed), with
+    `${fresh_dir:BASE}` (`launcher.config.output_dirs`), resolved once per config."""
+    OmegaConf.register_new_resolver("fresh_dir", fresh_dir, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("capacity", capacity, replace=True)
     OmegaConf.register_new_resolver("row_block_below", row_block_below, replace=True)
     OmegaConf.register_new_resolver("mixed_starts", mixed_starts, replace=True)
