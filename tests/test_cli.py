@@ -99,13 +99,17 @@ def test_print_only_flags_print_and_exit_0(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("impl, code", [("layers.tp.TorchTP", 0), ("tests.defects.ReduceScatterWithoutSum", 1)])
-def test_a_run_leaves_nothing_in_the_temp_dir(tmp_path, impl, code):
+@pytest.mark.parametrize("args, code", [
+    (["impl=layers.tp.TorchTP"], 0),
+    (["impl=tests.defects.ReduceScatterWithoutSum"], 1),
+    (["fault.kind=raise", "fault.rank=1"], 2),  # the raising rank's pytorch-errorfile-*.pickle
+])
+def test_a_run_leaves_nothing_in_the_temp_dir(tmp_path, args, code):
     # The launcher skips the interpreter's teardown at exit; the forkserver's socket folder
     # (multiprocessing's pymp-*) must still be removed.
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    p = run_cli(["layer=swa", "tp=2", "model=tiny", "golden_cache=null", f"impl={impl}"], tmp_path,
+    p = run_cli(["layer=swa", "tp=2", "model=tiny", "golden_cache=null", *args], tmp_path,
                 timeout=120, env={"TMPDIR": str(tmp)})
     assert p.returncode == code, p.stdout + p.stderr
     assert sorted(x.name for x in tmp.iterdir()) == []

@@ -13,9 +13,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
@@ -217,6 +220,21 @@ def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, ran
     return root
 
 
+@contextmanager
+def _private_tempdir():
+    """The launch's temp files in a folder of its own, removed once the outcome is read: torch's
+    `start_processes` names an error file per rank in the temp folder
+    (`pytorch-errorfile-*.pickle`), which a rank that raises writes and nothing ever removes.
+    (`tempfile.tempdir` is the standard library's documented switch for that folder.)"""
+    folder = tempfile.mkdtemp(prefix="dsv4-launch-")
+    previous, tempfile.tempdir = tempfile.tempdir, folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def launch(spec: RunSpec) -> LaunchOutcome:
     log_root = os.path.join(spec.output_dir, "logs")
     os.makedirs(log_root, exist_ok=True)
@@ -232,7 +250,7 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     logging.getLogger("torchelastic-events-null").setLevel(logging.WARNING)  # per-worker status events
     ranks = range(spec.rank_base, spec.rank_base + spec.local_ranks)
     try:
-        with watchdog.RankWatchdog(spec.output_dir, ranks, spec.deadline_s) as dog:
+        with _private_tempdir(), watchdog.RankWatchdog(spec.output_dir, ranks, spec.deadline_s) as dog:
             results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
     except ChildFailedError as e:
         failure = _failure(e, spec, log_root, run_id, spec.rank_base, dog.killed)
