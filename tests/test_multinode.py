@@ -11,6 +11,9 @@ import uuid
 
 import pytest
 
+from launcher.run import devices
+from layers.contract.config import ConfigError
+
 from .conftest import REPO
 
 pytestmark = pytest.mark.timeout(180)
@@ -73,6 +76,23 @@ def test_a_node_dying_mid_run_is_named_by_the_other(tmp_path):
     assert res[0][0] == 2 and res[1][0] == 2
     assert "a rank on another node failed or stopped during stage 'layer': node 1 (ranks 2-3)" in res[0][1], res[0][1]
     assert "rank 3" in res[1][1] and "stage 'layer'" in res[1][1], res[1][1]
+
+
+def test_a_port_in_time_wait_is_free_but_a_listening_one_is_not():
+    # As the rendezvous store does: a listener with SO_REUSEADDR, whose side of a connection
+    # closes first, so that the connection lingers in TIME_WAIT on the store's port for a
+    # minute after the run (a back-to-back run on the same master_port then finds it).
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            conn, _ = server.accept()
+            conn.close()  # node 0's side closes first: its end of the connection is in TIME_WAIT
+        with pytest.raises(ConfigError, match=f"master_port={port} on 127.0.0.1 cannot be bound"):
+            devices.check_port_free("127.0.0.1", port)  # still listening
+    devices.check_port_free("127.0.0.1", port)
 
 
 def test_master_port_in_use_is_refused_before_launch(tmp_path):

@@ -110,8 +110,11 @@ def interface_of(ip: str) -> str | None:
 
 
 def check_port_free(addr: str, port: int) -> None:
-    """Node 0 of a multi-node run binds the store at addr:port: refuse a port already taken."""
+    """Node 0 of a multi-node run binds the store at addr:port: refuse a port already taken.
+    With SO_REUSEADDR, as the store binds: the previous run's connections in TIME_WAIT (a
+    minute after it ended) do not make the port busy, a socket listening on it does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError as e:
