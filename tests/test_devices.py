@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,3 +97,23 @@ def test_external_torchrun_runs_the_same_worker(tmp_path):
     bad = subprocess.run(base + ["impl=tests.defects.ReduceScatterWithoutSum"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "VERDICT: FAIL" in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_a_failing_rank_under_torchrun_reports_as_under_the_launcher(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "result.json").write_text('{"status": "ok", "passed": true}')  # an earlier run's
+    p = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun-logs"),
+         "-m", "launcher.torchrun", "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
+         "fault.kind=raise", "fault.rank=1", "timeout_s=30"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO), DSV4_OUTPUT_DIR=str(out)),
+        capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr  # torchrun's own status whenever a worker fails
+    summary = p.stderr[p.stderr.index("Root Cause"):]
+    assert "rank      : 1" in summary and "exitcode  : 2" in summary and "error_file: <N/A>" not in summary, summary
+    assert "InjectedFault: injected fault: rank 1 raises" in summary  # the traceback, from the error file
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "error" and (result["error"]["rank"], result["error"]["stage"]) == (1, "layer"), result
+    assert "VERDICT: ERROR" in p.stdout

@@ -36,6 +36,17 @@ _CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
                        r"DistBackendError|NCCL communicator was aborted|heartbeat", re.IGNORECASE)
 
 
+def failed_stage(traceback_text: str) -> tuple[str, float] | None:
+    """The stage a rank's exception left it in, and when (the note `RankStageTimer` adds)."""
+    m = _STAGE_NOTE.search(traceback_text)
+    return (m.group(2), float(m.group(3))) if m else None
+
+
+def is_casualty(message: str) -> bool:
+    """Whether an error says the rank's collective broke because a peer failed or vanished."""
+    return bool(_CASUALTY.search(message))
+
+
 @dataclass
 class RankFailure:
     rank: int | None  # None: no rank is to blame (the launcher was interrupted)
@@ -123,9 +134,8 @@ def _describe(rank: int, f, log_root: str, run_id: str, silent: dict, killed: di
     if isinstance(msg, dict):
         tb = msg.get("extraInfo", {}).get("py_callstack", "")
         msg = msg.get("message", "<no message>")
-        m = _STAGE_NOTE.search(tb)
-        stage, t = (m.group(2), float(m.group(3))) if m else (None, float(f.timestamp))
-        kind = CASUALTY if _CASUALTY.search(str(msg)) else OWN
+        stage, t = failed_stage(tb) or (None, float(f.timestamp))
+        kind = CASUALTY if is_casualty(str(msg)) else OWN
     else:
         # No Python error report: the process exited on its own (os._exit, a deadline's stack
         # dump) or was killed; its progress events say in which stage, its stderr says the rest.
