@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -11,7 +12,10 @@ import uuid
 
 import pytest
 
-from launcher.run import devices
+from hydra import compose, initialize_config_module
+
+from launcher.config.spec import run_spec
+from launcher.run import devices, nodes
 from layers.contract.config import ConfigError
 
 from .conftest import REPO
@@ -55,11 +59,49 @@ def test_a_defect_on_node_1_fails_both_nodes(tmp_path):
     assert "x_out FAIL" in res[0][1]
 
 
-def test_nodes_with_different_configs_are_refused_on_both(tmp_path):
-    res = _two_nodes(tmp_path, ["layer=swa", "tp=2", "model=tiny"], node_args=({}, {"seed": 5}))
+@pytest.mark.parametrize("key, value", [("seed", 5), ("scope", "tp1")])
+def test_nodes_with_different_configs_are_refused_on_both(tmp_path, key, value):
+    res = _two_nodes(tmp_path, ["layer=swa", "tp=2", "model=tiny"], node_args=({}, {key: value}))
     for node in (0, 1):
         assert res[node][0] == 2, res[node][1]
-        assert "nodes disagree on seed: node 0" in res[node][1] and "has seed=5" in res[node][1]
+        assert f"nodes disagree on {key}: node 0" in res[node][1] and f"has {key}={value}" in res[node][1]
+
+
+def _changed(value):
+    """Another value of the same kind."""
+    if value is None:
+        return "/elsewhere"
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, dict):
+        return {**value, "extra": 1}
+    if isinstance(value, tuple):
+        return (*value, 1)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, name="other")
+    raise TypeError(type(value))
+
+
+def test_every_key_of_the_run_is_agreed_on_unless_it_is_the_nodes_own():
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = compose(config_name="config", overrides=["layer=swa", "tp=2", "model=tiny", "nnodes=2", "save_data=/x"])
+    spec = run_spec(cfg, "/out")
+    base = nodes.fingerprint(spec)
+    for f in dataclasses.fields(spec):
+        if f.name == "case":
+            for g in dataclasses.fields(spec.case):
+                case = dataclasses.replace(spec.case, **{g.name: _changed(getattr(spec.case, g.name))})
+                assert nodes.fingerprint(dataclasses.replace(spec, case=case)) != base, g.name
+            continue
+        changed = nodes.fingerprint(dataclasses.replace(spec, **{f.name: _changed(getattr(spec, f.name))}))
+        if f.name in nodes.NODE_LOCAL or f.name == "save_data":  # save_data: set on both, in another folder
+            assert changed == base, f.name
+        else:
+            assert changed != base, f.name
 
 
 def test_a_node_that_never_joins_times_out_clearly(tmp_path):

@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
 from launcher.run import devices, forkserver, watchdog
 from launcher.run.worker import progress_path, rank_main
@@ -149,8 +150,13 @@ def _describe(rank: int, f, log_root: str, run_id: str, silent: dict, killed: di
             msg = f"rank {rank} exited with status {f.exitcode}{where} without a Python error report ({why})"
             kind = CASUALTY if f.exitcode in (-15, -9) and rank not in silent else OWN  # stopped by the agent
     failure = RankFailure(rank=rank, stage=stage, message=str(msg), traceback=tb, exitcode=f.exitcode, log_dir=log_dir)
-    # Root cause first: by kind, then the earliest (sub-second) failure time.
-    return (kind, t, rank), failure
+    # Root cause first: by kind; among casualties, the one left behind in the earliest stage
+    # (its peers had moved on); then the earliest (sub-second) failure time.
+    return (kind, _stage_order(stage) if kind == CASUALTY else 0, t, rank), failure
+
+
+def _stage_order(stage: str | None) -> int:
+    return RANK_STAGES.index(stage) if stage in RANK_STAGES else len(RANK_STAGES)
 
 
 def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int,
@@ -221,6 +227,15 @@ def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, ran
         return root
     root = ranked[0][1]
     root.other_ranks = sorted(f.rank for _, f in ranked[1:])
+    ahead = [f for _, f in ranked[1:] if _stage_order(f.stage) > _stage_order(root.stage)]
+    if casualties_only and root.stage and ahead:
+        # Every rank timed out, this one in an earlier stage than its peers: it waited in a
+        # collective they never entered (an extra one of its own), or they skipped one.
+        stages = sorted({f.stage for f in ahead if f.stage}, key=_stage_order)
+        root.message = (f"rank {root.rank} was left behind in stage '{root.stage}' while ranks "
+                        f"{sorted(f.rank for f in ahead)} had moved on to {', '.join(repr(s) for s in stages) or 'the end'}: "
+                        f"it entered a collective they never entered (or they skipped one); it saw: {root.message}")
+        return root
     if casualties_only and spec.nnodes > 1:
         # This node's ranks only lost a peer: the cause is on another node.
         per = spec.local_ranks

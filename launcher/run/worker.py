@@ -29,8 +29,9 @@ import json
 import logging
 import os
 import resource
-import socket
+import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -46,7 +47,7 @@ from layers.distributed import wire
 from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.run import devices, faults, forkserver, lifeline, watchdog
+from launcher.run import devices, faults, forkserver, lifeline, nodes, watchdog
 from launcher.store import golden_cache, snapshot
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
@@ -57,6 +58,41 @@ log = logging.getLogger("launcher.run.worker")
 
 class ImplContractError(RuntimeError):
     """The implementation under test returned something that breaks the layer's contract."""
+
+
+_SIGINT_RECEIVED = threading.Event()
+
+
+def _note_sigint() -> None:
+    """Note a real SIGINT before Python's handler turns it into KeyboardInterrupt (so that one
+    the implementation raises itself can be told apart). Main thread only, where handlers live."""
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        return  # ignored or default: no signal becomes a KeyboardInterrupt
+
+    def handler(signum, frame):
+        _SIGINT_RECEIVED.set()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+
+
+@contextmanager
+def implementation_contract(rank: int):
+    """The implementation's code returns its outputs or raises an error. A `sys.exit()` or a
+    KeyboardInterrupt of its own would end this rank without an error report while its peers
+    wait in the next collective, and a peer's timeout would be blamed: both are contract errors
+    of this rank. (A KeyboardInterrupt from a real Ctrl-C passes on.)"""
+    try:
+        yield
+    except SystemExit as e:
+        raise ImplContractError(f"rank {rank}: the implementation called sys.exit({e.code!r}) "
+                                f"instead of returning its outputs or raising an error") from e
+    except KeyboardInterrupt as e:
+        if _SIGINT_RECEIVED.is_set():
+            raise
+        raise ImplContractError(f"rank {rank}: the implementation raised KeyboardInterrupt itself (no Ctrl-C "
+                                f"reached this rank) instead of returning its outputs or raising an error") from e
 
 
 def progress_path(output_dir: str, rank: int) -> str:
@@ -213,6 +249,7 @@ def rank_main(spec: RunSpec):
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname  # the interface that reaches node 0
     rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     watchdog.write_pid_file(spec.output_dir, rank)
+    _note_sigint()
     _setup_logging(rank)
     # A rank that outlives its deadline (hung outside any collective) dumps every thread's
     # stack into its stderr log and exits, so a run can never hang forever.
@@ -226,43 +263,13 @@ def rank_main(spec: RunSpec):
     os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s))
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
-    check_nodes_agree(spec, rank)
+    nodes.check_nodes_agree(spec)
     result = _run(spec, rank, device)
     faulthandler.cancel_dump_traceback_later()
     # Not in a `finally`: a failing rank must record its error before its sockets close, or a
     # peer that sees the closed connection could be reported first.
     dist.destroy_process_group()
     return result
-
-
-class ConfigMismatch(RuntimeError):
-    """The nodes of one run were started with different configs."""
-
-
-def fingerprint(spec: RunSpec) -> dict:
-    """What every node of a run must agree on."""
-    c = spec.case
-    return {
-        "layer": c.layer, "model": c.model.fields(), "tp": c.tp, "local_t": c.local_t, "seed": c.seed,
-        "start_pos": c.start_pos, "impl": spec.impl, "nnodes": spec.nnodes, "tool_version": snapshot.tool_version(),
-    }
-
-
-def check_nodes_agree(spec: RunSpec, rank: int) -> None:
-    """At rendezvous: refuse, on every rank, a run whose nodes disagree on the config."""
-    mine = {"node": spec.node_rank, "host": socket.gethostname(), "config": fingerprint(spec)}
-    everyone = [None] * spec.case.tp
-    dist.all_gather_object(everyone, mine)
-    ref = everyone[0]
-    for other in everyone[1:]:
-        diff = [k for k in ref["config"] if ref["config"][k] != other["config"][k]]
-        if diff:
-            k = diff[0]
-            show = (lambda v: {f: x for f, x in v.items() if ref["config"][k].get(f) != other["config"][k].get(f)}) if k == "model" else (lambda v: v)
-            raise ConfigMismatch(
-                f"nodes disagree on {', '.join(diff)}: node {ref['node']} ({ref['host']}) has {k}={show(ref['config'][k])}, "
-                f"node {other['node']} ({other['host']}) has {k}={show(other['config'][k])}"
-            )
 
 
 def _run(spec: RunSpec, rank: int, device: torch.device):
@@ -283,7 +290,8 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
             inputs, wo_full = layer.rank_inputs_and_full_o(case, rank)
         else:
             inputs = layer.rank_inputs(case, rank)
-        impl = instantiate(spec.impl)
+        with implementation_contract(rank):
+            impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
     with timer.stage("golden"):
@@ -304,7 +312,8 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
             del stacked_in, stacked_out
     with timer.stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
-        outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
+        with implementation_contract(rank):
+            outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
         faults.on_outputs(spec.fault, rank, outputs, case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with timer.stage("gather"):
@@ -330,7 +339,9 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
             fresh = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs) if spec.golden_data else layer.rank_inputs(case, rank)
             ctx = RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD)
-            located = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
+            with implementation_contract(rank):
+                walked = bisect.bisect_rank(layer, ctx, fresh, impl)
+            located = bisect.gather_bisect(ctx, walked)
     if rank != 0:
         return {"passed": verdict[0], "comparisons": None}
     stats[0].update(seconds=timer.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
