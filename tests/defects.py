@@ -15,6 +15,7 @@ import torch.distributed as dist
 from layers import hca
 from layers.components import hca_compressor
 from layers.components.numerics import bf16
+from layers.distributed import wire
 from layers.tp import TorchTP
 
 
@@ -192,4 +193,44 @@ class ExtraCollectiveOnRank1(TorchTP):
         out = super().__call__(ctx, tensors)
         if ctx.rank == 1:
             dist.all_reduce(torch.zeros(1), group=ctx.group)
+        return out
+
+
+# -- defects that only several TP groups in one launch (dp x tp) reveal -----------------------------
+class GroupSliceByGlobalRank(StageDefect):
+    """The all-to-all picks its output groups by the global rank (clamped into the group), not the
+    rank inside the TP group: right in group 0, wrong in every later one."""
+
+    stages = ("group_all_to_all",)
+
+    def defective(self, stage, ctx, v):
+        every = wire.all_gather(v["attention_grouped"], ctx.group, ctx.tp)  # [P, G, t, GI]
+        p, g, t, gi = every.shape
+        lg = g // p
+        rank = min(ctx.global_rank, p - 1)
+        return {"attention_local_groups": every[:, rank * lg : (rank + 1) * lg].permute(1, 0, 2, 3).reshape(lg, p * t, gi)}
+
+
+class ReduceOnTheWorldGroup(StageDefect):
+    """The reduce-scatter sums the partials of every rank of the world, not of the TP group."""
+
+    stages = ("reduce_scatter",)
+
+    def defective(self, stage, ctx, v):
+        import torch.distributed as dist
+
+        total = v["o_partial"].clone()
+        dist.all_reduce(total, group=dist.group.WORLD)
+        t = total.shape[0] // ctx.tp
+        return {"attn_out": bf16(total[ctx.rank * t : (ctx.rank + 1) * t])}
+
+
+class PerturbGroup1Rank1(TorchTP):
+    """Rank 1 of TP group 1 returns a slightly wrong x_out for its first request's tokens."""
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.group_index == 1 and ctx.rank == 1:
+            seq = ctx.case.seq
+            out["x_out"][:seq] = out["x_out"][:seq] * 1.5 + 0.25
         return out

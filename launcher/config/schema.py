@@ -40,10 +40,17 @@ class ReportSchema:
 
 
 @dataclass
+class BenchSchema:
+    rounds: int = 0  # timed rounds after the validated step (0: no benchmark)
+    warmup: int = 0  # untimed rounds before them
+    stages: bool = False  # time every stage of a stage-based implementation
+
+
+@dataclass
 class FaultSchema:
     kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.run.faults)
     rank: int = 0
-    stage: str = "layer"  # fixture | golden | save | layer | gather | compare
+    stage: str = "layer"  # fixture | golden | save | layer | gather | bench | compare
 
 
 @dataclass
@@ -51,6 +58,7 @@ class RunSchema:
     layer: LayerSchema = MISSING
     model: Any = MISSING
     tp: int = 4
+    dp: int = 1
     local_t: Optional[int] = None
     seed: int = 20260819
     start_pos: Any = None
@@ -73,6 +81,9 @@ class RunSchema:
     nproc_per_node: Optional[int] = None
     scope: str = "full"
     bisect: bool = False
+    golden: bool = True  # false: performance only, no golden and no comparison (verdict UNCHECKED)
+    bench: BenchSchema = field(default_factory=BenchSchema)
+    profile: bool = False  # torch.profiler traces of the benchmark rounds, one per rank
 
 
 def register() -> None:

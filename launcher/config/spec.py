@@ -35,6 +35,16 @@ DEFAULT_IMPL = "layers.tp.TorchTP"
 
 
 @dataclass(frozen=True)
+class BenchSpec:
+    """Benchmark mode (`launcher.run.bench`): timed rounds after the validated step."""
+
+    rounds: int
+    warmup: int = 0
+    stages: bool = False  # time every stage of a stage-based implementation
+    profile: bool = False  # torch.profiler traces of the timed rounds, one per rank
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """Everything a rank needs to run its part of one case, and how the launcher reports it
     (picklable, no OmegaConf)."""
@@ -55,9 +65,12 @@ class RunSpec:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 (single node): the store binds a free port
-    nproc_per_node: int = 0  # ranks on this node; 0 means tp / nnodes
+    nproc_per_node: int = 0  # ranks on this node; 0 means dp * tp / nnodes
     bisect: bool = False  # after a failing full run, locate the first divergent stage and rank
     report_plots: bool = False  # PNG heat maps of a failing tensor's errors (drawn by the launcher)
+    dp: int = 1  # TP groups side by side: the world is dp * tp ranks (launcher.run.groups)
+    golden: bool = True  # False: a performance-only run, no golden and no comparison (UNCHECKED)
+    bench: Optional[BenchSpec] = None  # benchmark rounds after the validated step
 
     @property
     def layer(self) -> Layer:
@@ -65,8 +78,13 @@ class RunSpec:
         return get_scope(self.case.layer, self.case.scope)
 
     @property
+    def world(self) -> int:
+        """Every rank of the launch: dp TP groups of tp ranks."""
+        return self.dp * self.case.tp
+
+    @property
     def local_ranks(self) -> int:
-        return self.nproc_per_node or self.case.tp // self.nnodes
+        return self.nproc_per_node or self.world // self.nnodes
 
     @property
     def rank_base(self) -> int:
@@ -92,6 +110,7 @@ class RunSpec:
             "scope": c.scope,
             "model": c.model.name,
             "tp": c.tp,
+            "dp": self.dp,
             "local_t": c.local_t,
             "seed": c.seed,
             "start_pos": list(c.start_pos) if isinstance(c.start_pos, tuple) else c.start_pos,
@@ -123,6 +142,12 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     tp = int(cfg.tp)
     if tp < 1:
         raise ConfigError(f"tp={tp} must be >= 1")
+    dp = int(cfg.dp)
+    if dp < 1:
+        raise ConfigError(f"dp={dp} must be >= 1 (the number of TP groups; the world is dp*tp ranks)")
+    if dp > 1 and cfg.golden_data:
+        raise ConfigError(f"golden_data replays one TP group's snapshot: it needs dp=1, not dp={dp}")
+    world = dp * tp
     scope = str(cfg.scope)
     get_scope(str(cfg.layer.name), scope)  # an unknown layer or scope is a ConfigError here
     local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(model, tp, scope)
@@ -144,12 +169,13 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     timeout_s = default_timeout_s(model) if cfg.timeout_s is None else float(cfg.timeout_s)
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
+    golden, bench = _performance(cfg)
     fault = None
     if cfg.fault.kind is not None:
         fault = Fault(kind=str(cfg.fault.kind), rank=int(cfg.fault.rank), stage=str(cfg.fault.stage))
-        fault.check(tp, saves=bool(cfg.save_data))
+        fault.check(world, _absent_stages(cfg, golden, bench))
     else:
-        check_fault_unset(int(cfg.fault.rank), str(cfg.fault.stage), tp)
+        check_fault_unset(int(cfg.fault.rank), str(cfg.fault.stage), world)
     if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
         raise ConfigError(f"threads_per_rank={cfg.threads_per_rank} must be >= 1")
     if cfg.recompute_golden and not cfg.golden_data:
@@ -177,7 +203,10 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         fault=fault,
         bisect=bool(cfg.bisect),
         report_plots=bool(cfg.report.plots),
-        **_nodes(cfg, tp),
+        dp=dp,
+        golden=golden,
+        bench=bench,
+        **_nodes(cfg, tp, dp),
     )
 
 
@@ -199,17 +228,51 @@ def validated_spec(cfg: DictConfig, output_dir: str, *,
     return spec
 
 
-def _nodes(cfg: DictConfig, tp: int) -> dict:
+def _performance(cfg: DictConfig) -> tuple[bool, Optional[BenchSpec]]:
+    """`golden` and the benchmark: golden=false skips golden and comparison (a performance run
+    of a case already validated), so it cannot be replayed against, saved or bisected."""
+    rounds, warmup = int(cfg.bench.rounds), int(cfg.bench.warmup)
+    if rounds < 0 or warmup < 0:
+        raise ConfigError(f"bench.rounds={rounds} and bench.warmup={warmup} must be >= 0")
+    if rounds == 0 and (warmup or cfg.bench.stages or cfg.profile):
+        given = "bench.warmup" if warmup else "bench.stages=true" if cfg.bench.stages else "profile=true"
+        raise ConfigError(f"{given} applies to benchmark rounds: set bench.rounds=N (N > 0)")
+    golden = bool(cfg.golden)
+    if not golden:
+        for key in ("golden_data", "save_data"):
+            if cfg[key]:
+                raise ConfigError(f"golden=false runs no golden: it cannot go with {key}={cfg[key]}")
+        if cfg.bisect:
+            raise ConfigError("golden=false runs no golden: bisect=true has nothing to compare against")
+    bench = BenchSpec(rounds, warmup, bool(cfg.bench.stages), bool(cfg.profile)) if rounds else None
+    return golden, bench
+
+
+def _absent_stages(cfg: DictConfig, golden: bool, bench: Optional[BenchSpec]) -> dict[str, str]:
+    """The rank stages this run will not have, each with the key that would add it."""
+    absent = {}
+    if not cfg.save_data:
+        absent["save"] = "save_data=DIR"
+    if bench is None:
+        absent["bench"] = "bench.rounds=N"
+    if not golden:
+        absent.update(golden="golden=true", compare="golden=true")
+    return absent
+
+
+def _nodes(cfg: DictConfig, tp: int, dp: int) -> dict:
     nnodes, node_rank = int(cfg.nnodes), int(cfg.node_rank)
+    world = dp * tp
     if nnodes < 1:
         raise ConfigError(f"nnodes={nnodes} must be >= 1")
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"node_rank={node_rank} must be in [0, {nnodes}) for nnodes={nnodes}")
-    nproc = int(cfg.nproc_per_node) if cfg.nproc_per_node is not None else (tp // nnodes if tp % nnodes == 0 else 0)
-    if nproc < 1 or nproc * nnodes != tp:
+    nproc = int(cfg.nproc_per_node) if cfg.nproc_per_node is not None else (world // nnodes if world % nnodes == 0 else 0)
+    if nproc < 1 or nproc * nnodes != world:
+        ranks = f"dp*tp={dp}*{tp}={world}" if dp > 1 else f"tp={tp}"
         raise ConfigError(
-            f"nproc_per_node={cfg.nproc_per_node if cfg.nproc_per_node is not None else 'tp/nnodes'} x nnodes={nnodes} "
-            f"must equal tp={tp} (one rank per device on every node)"
+            f"nproc_per_node={cfg.nproc_per_node if cfg.nproc_per_node is not None else 'world/nnodes'} x "
+            f"nnodes={nnodes} must equal {ranks} (one rank per device on every node)"
         )
     port = cfg.master_port if cfg.master_port is not None else (0 if nnodes == 1 else 29500)
     if not 0 <= int(port) < 65536 or (nnodes > 1 and int(port) == 0):
@@ -260,6 +323,7 @@ def config_case(cfg) -> dict:
         "scope": get(lambda: cfg.scope),
         "model": get(lambda: cfg.model.name),
         "tp": get(lambda: cfg.tp),
+        "dp": get(lambda: cfg.dp),
         "local_t": get(lambda: cfg.local_t),
         "seed": get(lambda: cfg.seed),
         "start_pos": get(lambda: cfg.start_pos),

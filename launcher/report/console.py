@@ -10,6 +10,7 @@ failing tensor's comparator account, where its errors are (the grids of
 from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
+from launcher.report.result import verdict
 from launcher.verify.bisect import render as render_bisect
 
 
@@ -31,7 +32,8 @@ def table_lines(rows: list[list[str]]) -> list[str]:
 def render(result: dict) -> str:
     c = result["case"]
     lines = [
-        f"dsv4-tp-harness  layer={c['layer']} scope={c.get('scope', 'full')} model={c['model']} tp={c['tp']} local_t={c['local_t']} "
+        f"dsv4-tp-harness  layer={c['layer']} scope={c.get('scope', 'full')} model={c['model']} tp={c['tp']}"
+        f"{' dp=' + str(c['dp']) if c.get('dp', 1) != 1 else ''} local_t={c['local_t']} "
         f"seed={c['seed']} start_pos={c['start_pos']} backend={c['backend']} impl={c['impl']}"
     ]
     if result["status"] in ("config-error", "skipped"):  # no rank ran
@@ -58,26 +60,59 @@ def render(result: dict) -> str:
         lines.append(f"VERDICT: ERROR ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     if "compared_on_node" in result:
-        verdict = "PASS" if result["passed"] else "FAIL"
-        lines.append(f"node {result['node_rank']}: rank 0 on node 0 compared; its verdict: {verdict}")
-        lines.append(f"VERDICT: {verdict} ({result['wall_s']:.1f}s)")
+        word = verdict(result)
+        lines.append(f"node {result['node_rank']}: rank 0 on node 0 compared; its verdict: {word}")
+        lines.append(f"VERDICT: {word} ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     secs = result["rank_seconds"]
     stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in RANK_STAGES if any(s in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
     peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
     lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
+    if result.get("bench"):
+        lines += bench_lines(result["bench"])
+    if result.get("unchecked"):
+        lines.append("VERDICT: UNCHECKED (golden=false: a performance run; no golden was computed and nothing "
+                     f"was compared) ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
     lines.append(_reference_line(result))
-    lines += _verdict_lines(result["verdicts"])
+    if "groups" in result:  # several TP groups: each group's verdicts, its ranks named globally
+        for g in result["groups"]:
+            lines.append(f"group {g['group']} (global ranks {g['ranks'][0]}-{g['ranks'][-1]}, seed {g['seed']}): "
+                         f"{'PASS' if g['passed'] else 'FAIL'}")
+            lines += ["  " + ln for ln in _verdict_lines(g["verdicts"], g["ranks"])]
+    else:
+        lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
         lines += _verdict_lines(result["recomputed_verdicts"])
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
-    verdict = "PASS" if result["passed"] else "FAIL"
     failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
-    lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
+    groups = [g["group"] for g in result.get("groups", []) if not g["passed"]]
+    where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}" if groups else ""
+    lines.append(f"VERDICT: {verdict(result)}" + (f" {failed}{where}" if failed else "") + f" ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def bench_lines(bench: dict) -> list[str]:
+    """The benchmark in one line (the round's slowest rank), plus the stages' share when timed."""
+    lines = [f"bench: {bench['rounds']} rounds after {bench['warmup']} warm-up, slowest rank per round: "
+             f"min {_ms(bench['min_s'])} | median {_ms(bench['median_s'])} | mean {_ms(bench['mean_s'])} | "
+             f"max {_ms(bench['max_s'])}"]
+    stages = bench.get("stages")
+    if stages:
+        total = sum(s["median_s"] for s in stages) or 1.0
+        cells = [f"{s['stage']}{' (collective)' if s['collective'] else ''} {_ms(s['median_s'])} "
+                 f"{100 * s['median_s'] / total:.0f}%" for s in stages]
+        lines.append("  stages (median of the slowest rank): " + " | ".join(cells))
+    if bench.get("profiles"):
+        lines.append(f"  profiles: {', '.join(bench['profiles'])}")
+    return lines
 
 
 def _reference_line(result: dict) -> str:
@@ -90,13 +125,16 @@ def _reference_line(result: dict) -> str:
     return f"reference: golden{cached}{saved}{problems}"
 
 
-def _verdict_lines(verdicts: list[dict]) -> list[str]:
+def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) -> list[str]:
+    """The verdicts' table; `global_ranks`: a TP group's ranks in the world, named beside the
+    group's own rank numbers."""
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
     for v in verdicts:
         f = v.get("figures", {})
         rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")), v["label"]])
         for pr in v.get("per_rank", []):
-            rows.append(["", str(pr["rank"]), "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
+            rank = str(pr["rank"]) if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
+            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
     lines = table_lines(rows)
     for v in verdicts:
         if not v["passed"]:

@@ -297,5 +297,5 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     # The comparing rank (global rank 0) returns the full result; every other rank returns
     # the verdict rank 0 broadcast, which is all a node without rank 0 reports.
     results = [r for r in results.values() if r is not None]
-    full = [r for r in results if r.get("comparisons") is not None]
+    full = [r for r in results if r.get("reporting")]
     return LaunchOutcome(result=(full or results)[0], failure=None, log_dir=log_root)

@@ -50,7 +50,7 @@ def fingerprint(spec: RunSpec) -> dict:
 def check_nodes_agree(spec: RunSpec) -> None:
     """At rendezvous: refuse, on every rank, a run whose nodes disagree on the config."""
     mine = {"node": spec.node_rank, "host": socket.gethostname(), "config": fingerprint(spec)}
-    everyone = [None] * spec.case.tp
+    everyone = [None] * spec.world
     dist.all_gather_object(everyone, mine)
     ref = everyone[0]
     for other in everyone[1:]:

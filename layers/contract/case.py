@@ -9,6 +9,8 @@ active tokens and balanced routing instead of tp, local_t and start positions.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -74,6 +76,16 @@ class Case:
                 f"in [{TOKEN_TILE}, {cap}] (the rank capacity decode_batch*decode_seq/tp = {m.decode_tokens}/{tp}) "
                 f"for model {m.name!r}"
             )
+
+    def of_group(self, group: int) -> "Case":
+        """The case of TP group `group` of a dp x tp launch: the same layer, model, tp and
+        local_t, its own fixture. Group 0 is the case itself; a later group draws from a seed
+        derived from (seed, group), so groups hold different data and a mix-up between them
+        shows."""
+        if group == 0:
+            return self
+        digest = hashlib.sha256(repr((self.seed, "tp-group", group)).encode()).digest()
+        return dataclasses.replace(self, seed=int.from_bytes(digest[:4], "little") >> 1)
 
     def starts_for_rank(self, rank: int, canonical: list[int]) -> list[int]:
         """The start positions of `rank`'s requests (the spec's resolve rules, per rank)."""

@@ -24,8 +24,10 @@ StageObserver = Callable[["Stage", Callable[[], dict]], dict]
 
 @dataclass
 class RankContext:
-    """`case`: the run's case; `rank`: this rank in its TP group; `group`: the TP group's
-    process group (None when tp == 1 and none exists); `device`: where the tensors live.
+    """`case`: the case of this rank's TP group; `rank`: this rank in its TP group; `group`:
+    the TP group's process group (None when tp == 1 and none exists); `device`: where the
+    tensors live. With several TP groups in one launch (dp x tp), `global_rank` is the rank in
+    the whole world and `group_index` which TP group this is (ranks g·tp ... g·tp + tp − 1).
     `observe`: set by the harness while it records or times a stage-based implementation's
     stages (bisect, benchmarks); None otherwise."""
 
@@ -34,6 +36,8 @@ class RankContext:
     device: torch.device
     group: "ProcessGroup | None" = None
     observe: StageObserver | None = None
+    global_rank: int | None = None  # None: the same as `rank` (one TP group)
+    group_index: int = 0
 
     @property
     def model(self) -> ModelConfig:
