@@ -66,7 +66,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
     # The ranks append to their progress files: a folder reused from an earlier run starts empty.
     shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
     c = spec.case
-    label = f"{c.layer} {c.model.name} tp={c.tp}{f' dp={spec.dp}' if spec.dp > 1 else ''} local_t={c.local_t}"
+    size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
+    label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
     result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,

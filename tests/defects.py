@@ -15,6 +15,7 @@ import torch.distributed as dist
 from layers import hca
 from layers.components import hca_compressor
 from layers.components.numerics import bf16
+from layers.components.moe_routing import block_transpose
 from layers.distributed import wire
 from layers.tp import TorchTP
 
@@ -234,3 +235,54 @@ class PerturbGroup1Rank1(TorchTP):
             seq = ctx.case.seq
             out["x_out"][:seq] = out["x_out"][:seq] * 1.5 + 0.25
         return out
+
+
+# -- MoE defects (moe.md §10's pitfalls) ---------------------------------------------------------------
+class MoeRoutesToTheWrongRank(StageDefect):
+    """Every route goes to the next rank's expert of the same local id."""
+
+    stages = ("dispatch",)
+
+    def defective(self, stage, ctx, v):
+        experts = ctx.case.routed_experts
+        return stage.run(ctx, {**v, "indices": (v["indices"] + ctx.case.local_experts) % experts})
+
+
+class MoeCombineReusesDispatchSplits(StageDefect):
+    """The combine sends the routed rows back with the dispatch's splits, not the swapped ones
+    (buffers cut or padded to fit: sizes agree pairwise, rows land wrongly)."""
+
+    stages = ("combine",)
+
+    def defective(self, stage, ctx, v):
+        recv_y, recv_meta, send_meta, send_route = v["recv_y"], v["recv_meta"], v["send_meta"], v["send_route"]
+        back = recv_y[block_transpose(recv_meta.t())]
+        s, d = int(send_meta.sum()), recv_y.shape[1]
+
+        def fit(x):
+            return torch.cat((x[:s], x.new_zeros(max(0, s - x.shape[0]), d)))
+
+        rows = wire.all_to_all_v(fit(back), send_meta.sum(1).tolist(), recv_meta.sum(1).tolist(), ctx.group, ctx.tp)
+        buf = torch.zeros(ctx.case.tokens * ctx.model.num_experts_per_tok, d, dtype=torch.bfloat16)
+        buf[send_route.long()] = fit(rows)
+        return {"routed_y_buf": buf}
+
+
+class MoeDropsTheRoutingWeight(StageDefect):
+    """The routed experts ignore the routing weight (weight 1 on every row)."""
+
+    stages = ("routed_experts",)
+
+    def defective(self, stage, ctx, v):
+        aux = v["recv_aux"].clone()
+        aux[:, 1] = 1.0
+        return stage.run(ctx, {**v, "recv_aux": aux})
+
+
+class MoeProcessesTokensPastNumTokens(TorchTP):
+    """Rank 1 routes and reduces every one of its T tokens, active or not."""
+
+    def __call__(self, ctx, tensors):
+        if ctx.rank == 1:
+            tensors = {**tensors, "num_tokens": torch.tensor(ctx.case.tokens, dtype=torch.int32)}
+        return super().__call__(ctx, tensors)

@@ -57,8 +57,12 @@ class FaultSchema:
 class RunSchema:
     layer: LayerSchema = MISSING
     model: Any = MISSING
-    tp: int = 4
+    tp: Optional[int] = None  # attention layers; null = 4
+    ep: Optional[int] = None  # the MoE layer; null = 2
     dp: int = 1
+    layer_id: Optional[int] = None  # MoE case keys (null: layer 0, every token active, random routing)
+    num_tokens: Optional[int] = None
+    balanced_routing: Optional[bool] = None
     local_t: Optional[int] = None
     seed: int = 20260819
     start_pos: Any = None

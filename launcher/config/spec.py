@@ -20,18 +20,19 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from layers.contract.case import TOKEN_TILE, Case
-from layers.contract.config import ConfigError, ModelConfig
+from layers.contract.case import TOKEN_TILE, Case, MoECase
+from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
 from layers.contract.layer import Layer
 from layers.registry import get_scope, validated
 
 from launcher.config.faults import Fault
 from launcher.config.faults import check_unset as check_fault_unset
-from launcher.config.resolvers import row_block
+from launcher.config.resolvers import row_block, tp_of
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_IMPL = "layers.tp.TorchTP"
+DEFAULT_EP = 2  # the MoE layer's EP size when `ep` is not given (the reference's default)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class RunSpec:
     """Everything a rank needs to run its part of one case, and how the launcher reports it
     (picklable, no OmegaConf)."""
 
-    case: Case
+    case: Case | MoECase
     impl: dict  # a Hydra instantiate spec: {"_target_": ..., **kwargs}
     backend: str
     timeout_s: float
@@ -79,8 +80,8 @@ class RunSpec:
 
     @property
     def world(self) -> int:
-        """Every rank of the launch: dp TP groups of tp ranks."""
-        return self.dp * self.case.tp
+        """Every rank of the launch: dp groups of the layer's group size (tp, or ep)."""
+        return self.dp * self.case.group_size
 
     @property
     def local_ranks(self) -> int:
@@ -104,19 +105,8 @@ class RunSpec:
 
     def case_entry(self) -> dict:
         """result.json's `case`: what ran, as the config names it."""
-        c = self.case
-        return {
-            "layer": c.layer,
-            "scope": c.scope,
-            "model": c.model.name,
-            "tp": c.tp,
-            "dp": self.dp,
-            "local_t": c.local_t,
-            "seed": c.seed,
-            "start_pos": list(c.start_pos) if isinstance(c.start_pos, tuple) else c.start_pos,
-            "backend": self.backend,
-            "impl": self.impl.get("_target_"),
-        }
+        return {**self.case.describe(), "model": self.case.model.name, "dp": self.dp, "backend": self.backend,
+                "impl": self.impl.get("_target_")}
 
 
 def _start_pos(value: Any) -> int | tuple[int, ...] | None:
@@ -139,29 +129,20 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     """
     model_fields = OmegaConf.to_container(cfg.model, resolve=True)
     model = ModelConfig(**model_fields)
-    tp = int(cfg.tp)
-    if tp < 1:
-        raise ConfigError(f"tp={tp} must be >= 1")
+    layer_name, scope = str(cfg.layer.name), str(cfg.scope)
+    get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
+    case = _moe_case(cfg, model) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
+    group = case.group_size
     dp = int(cfg.dp)
     if dp < 1:
-        raise ConfigError(f"dp={dp} must be >= 1 (the number of TP groups; the world is dp*tp ranks)")
+        raise ConfigError(f"dp={dp} must be >= 1 (the number of groups; the world is dp*{_size_key(case)} ranks)")
     if dp > 1 and cfg.golden_data:
-        raise ConfigError(f"golden_data replays one TP group's snapshot: it needs dp=1, not dp={dp}")
-    world = dp * tp
-    scope = str(cfg.scope)
-    get_scope(str(cfg.layer.name), scope)  # an unknown layer or scope is a ConfigError here
-    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(model, tp, scope)
+        raise ConfigError(f"golden_data replays one group's snapshot: it needs dp=1, not dp={dp}")
+    world = dp * group
     if cfg.bisect and scope != "full":
         raise ConfigError(f"bisect=true locates a divergent stage of the full layer; it needs scope=full, not scope={scope}")
-    case = Case(
-        layer=str(cfg.layer.name),
-        model=model,
-        tp=tp,
-        local_t=int(local_t),
-        seed=int(cfg.seed),
-        start_pos=_start_pos(cfg.start_pos),
-        scope=scope,
-    )
+    if cfg.bisect and isinstance(case, MoECase):
+        raise ConfigError("bisect=true walks the attention layers' stages; layer=moe is compared on x_next alone")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
     if cfg.start_method not in START_METHODS:
@@ -206,8 +187,46 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         dp=dp,
         golden=golden,
         bench=bench,
-        **_nodes(cfg, tp, dp),
+        **_nodes(cfg, case, dp),
     )
+
+
+def _size_key(case) -> str:
+    return "ep" if isinstance(case, MoECase) else "tp"
+
+
+def _given(cfg: DictConfig, keys: tuple[str, ...]) -> list[str]:
+    return [k for k in keys if cfg[k] is not None]
+
+
+def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> Case:
+    """The case of an attention layer (swa, csa, hca): TP keys; the MoE keys are refused."""
+    moe_keys = _given(cfg, ("ep", "layer_id", "num_tokens", "balanced_routing"))
+    if moe_keys:
+        raise ConfigError(f"{moe_keys[0]}={cfg[moe_keys[0]]} is a key of layer=moe; layer={layer} takes tp, "
+                          f"local_t and start_pos")
+    tp = tp_of(cfg)
+    if tp < 1:
+        raise ConfigError(f"tp={tp} must be >= 1")
+    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(model, tp, scope)
+    return Case(layer=layer, model=model, tp=tp, local_t=int(local_t), seed=int(cfg.seed),
+                start_pos=_start_pos(cfg.start_pos), scope=scope)
+
+
+def _moe_case(cfg: DictConfig, model: ModelConfig) -> MoECase:
+    """The case of the MoE layer: its group is the EP group (`ep`, default 2) with 128 tokens
+    per rank; the attention layers' keys do not apply and are refused."""
+    attention_keys = _given(cfg, ("tp", "local_t", "start_pos"))
+    if attention_keys:
+        k = attention_keys[0]
+        raise ConfigError(f"{k}={cfg[k]} does not apply to layer=moe (its group is ep=P ranks of 128 tokens "
+                          f"each): leave {k} out")
+    ep = int(cfg.ep) if cfg.ep is not None else DEFAULT_EP
+    if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
+        raise ConfigError(f"ep={ep} must be in [1, {MOE_MAX_EP}] (E = 16·ep experts; score routing sorts at most 256)")
+    return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id or 0),
+                   num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
+                   balanced_routing=bool(cfg.balanced_routing))
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *,
@@ -220,7 +239,7 @@ def validated_spec(cfg: DictConfig, output_dir: str, *,
     requested one): the config floor opens no snapshot itself.
     """
     spec = run_spec(cfg, output_dir)
-    if spec.golden_data:
+    if spec.golden_data and isinstance(spec.case, Case):
         fixed = snapshot_local_t(spec.golden_data, cfg.local_t)
         if fixed is not None:
             spec = dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=fixed))
@@ -260,16 +279,17 @@ def _absent_stages(cfg: DictConfig, golden: bool, bench: Optional[BenchSpec]) ->
     return absent
 
 
-def _nodes(cfg: DictConfig, tp: int, dp: int) -> dict:
+def _nodes(cfg: DictConfig, case, dp: int) -> dict:
     nnodes, node_rank = int(cfg.nnodes), int(cfg.node_rank)
-    world = dp * tp
+    size, key = case.group_size, _size_key(case)
+    world = dp * size
     if nnodes < 1:
         raise ConfigError(f"nnodes={nnodes} must be >= 1")
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"node_rank={node_rank} must be in [0, {nnodes}) for nnodes={nnodes}")
     nproc = int(cfg.nproc_per_node) if cfg.nproc_per_node is not None else (world // nnodes if world % nnodes == 0 else 0)
     if nproc < 1 or nproc * nnodes != world:
-        ranks = f"dp*tp={dp}*{tp}={world}" if dp > 1 else f"tp={tp}"
+        ranks = f"dp*{key}={dp}*{size}={world}" if dp > 1 else f"{key}={size}"
         raise ConfigError(
             f"nproc_per_node={cfg.nproc_per_node if cfg.nproc_per_node is not None else 'world/nnodes'} x "
             f"nnodes={nnodes} must equal {ranks} (one rank per device on every node)"
@@ -323,6 +343,7 @@ def config_case(cfg) -> dict:
         "scope": get(lambda: cfg.scope),
         "model": get(lambda: cfg.model.name),
         "tp": get(lambda: cfg.tp),
+        "ep": get(lambda: cfg.ep),
         "dp": get(lambda: cfg.dp),
         "local_t": get(lambda: cfg.local_t),
         "seed": get(lambda: cfg.seed),

@@ -29,13 +29,17 @@ def table_lines(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def case_line(c: dict) -> str:
+    """The case as `key=value` pairs: the attention layers' tp / local_t / start_pos, the MoE
+    layer's ep / layer_id / num_tokens / balanced_routing; dp where there are several groups."""
+    keys = ["layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
+            "seed", "start_pos", "backend", "impl"]
+    cells = [f"{k}={c[k]}" for k in keys if k in c and not (k == "dp" and c[k] in (None, 1))]
+    return "dsv4-tp-harness  " + " ".join(cells)
+
+
 def render(result: dict) -> str:
-    c = result["case"]
-    lines = [
-        f"dsv4-tp-harness  layer={c['layer']} scope={c.get('scope', 'full')} model={c['model']} tp={c['tp']}"
-        f"{' dp=' + str(c['dp']) if c.get('dp', 1) != 1 else ''} local_t={c['local_t']} "
-        f"seed={c['seed']} start_pos={c['start_pos']} backend={c['backend']} impl={c['impl']}"
-    ]
+    lines = [case_line(result["case"])]
     if result["status"] in ("config-error", "skipped"):  # no rank ran
         word = "error" if result["status"] == "config-error" else "SKIPPED"
         lines.append(f"{word}: {result['error']['message']}")

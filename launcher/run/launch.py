@@ -98,8 +98,8 @@ def run_id_of(spec: RunSpec) -> str:
     """Unique per single-node run; for multi-node, the same on every node (from the shared config)."""
     c = spec.case
     if spec.nnodes == 1:
-        return f"{c.layer}-tp{c.tp}-{uuid.uuid4().hex[:8]}"
-    return f"{c.layer}-tp{c.tp}-{spec.master_addr.replace('.', '-')}-{spec.master_port}"
+        return f"{c.layer}-{c.group_size}r-{uuid.uuid4().hex[:8]}"
+    return f"{c.layer}-{c.group_size}r-{spec.master_addr.replace('.', '-')}-{spec.master_port}"
 
 
 def _rank_log_dir(log_root: str, run_id: str, local_rank: int) -> str | None:

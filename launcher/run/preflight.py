@@ -24,7 +24,7 @@ def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
     """The validated RunSpec of a composed config, checked against this machine."""
     spec = validated_spec(cfg, output_dir, snapshot_local_t=snapshot.fixed_local_t)
     if spec.golden_data:
-        snapshot.check(spec.golden_data, spec.layer.tensor_specs(spec.case), spec.case.tp)
+        snapshot.check(spec.golden_data, spec.layer.tensor_specs(spec.case), spec.case.group_size)
     backend = devices.resolve_backend(spec.backend)
     devices.check_devices(backend, spec.local_ranks)
     if spec.nnodes > 1 and spec.node_rank == 0:

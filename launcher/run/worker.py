@@ -22,6 +22,7 @@ traceback for the launcher's failure report.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -169,12 +170,18 @@ def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int,
     return gathered
 
 
+def _with_inouts_cloned(layer, case, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rank's inputs with its in-out tensors cloned: the golden updates those in place and
+    must leave the implementation's copies as they were (it runs first, so the pure inputs are
+    pristine)."""
+    inout = set(layer.names_of(case, Kind.INOUT))
+    return {n: t.clone() if n in inout else t for n, t in inputs.items()}
+
+
 def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dict[str, torch.Tensor]:
     """The golden of this rank's shard: the TP1 layer with full O weights, on the rank's inputs
-    with its in-out tensors cloned (the golden updates those in place and must leave the
-    implementation's copies as they were; it runs first, so the pure inputs are pristine)."""
-    inout = set(layer.names_of(case, Kind.INOUT))
-    tensors = {n: t.clone() if n in inout else t for n, t in inputs.items()}
+    (`_with_inouts_cloned`)."""
+    tensors = _with_inouts_cloned(layer, case, inputs)
     if layer.sharded_o_weights:
         tensors["wo_a"], tensors["wo_b"] = wo_full
     out = layer.golden(case, tensors)
@@ -224,7 +231,7 @@ def compare(case, layer, actual: dict, golden: dict, context: dict) -> list[dict
     inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
     verdicts = []
     for check in layer.checks(case):
-        cmp = build_comparator(check, mapping_shape=(case.tp, case.local_t), leading_rank_axis=True)
+        cmp = build_comparator(check, mapping_shape=(case.group_size, case.local_t), leading_rank_axis=True)
         v = cmp.evaluate(
             actual[check.output], golden[check.output], inputs=inputs, actual_outputs=actual, expected_outputs=golden
         )
@@ -257,15 +264,15 @@ def rank_main(spec: RunSpec):
     faulthandler.dump_traceback_later(spec.deadline_s, exit=True)
     forkserver.set_reproducible_cpu_env()  # under an external torchrun nothing set it before
     if world != spec.world:
-        groups = f"dp*tp={spec.dp}*{spec.case.tp}={spec.world}" if spec.dp > 1 else f"tp={spec.case.tp}"
-        raise RuntimeError(f"WORLD_SIZE={world} but the config asks for {groups}")
+        raise RuntimeError(f"WORLD_SIZE={world} but the config asks for {spec.world} ranks "
+                           f"(dp={spec.dp} groups of {spec.case.group_size})")
     torch.set_num_threads(spec.threads())
     backend = devices.resolve_backend(spec.backend)
     os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s))
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
     nodes.check_nodes_agree(spec)
-    layout = GroupLayout(spec.dp, spec.case.tp, rank)
+    layout = GroupLayout(spec.dp, spec.case.group_size, rank)
     result = _run(spec, layout, tp_process_group(layout), device)
     faulthandler.cancel_dump_traceback_later()
     # Not in a `finally`: a failing rank must record its error before its sockets close, or a
@@ -298,13 +305,18 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
+    ctx = RankContext(case=case, rank=grank, device=device, group=group, global_rank=rank, group_index=layout.group)
     references, cache_status, context = {}, None, {}
     if spec.golden:
         with timer.stage("golden"):
             if spec.golden_data:
                 references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, grank, specs)
             if not spec.golden_data or spec.recompute_golden:
-                references["golden"], cache_status = cached_golden(spec, layer, case, inputs, grank, wo_full)
+                if layer.golden_per_rank:
+                    references["golden"], cache_status = cached_golden(spec, layer, case, inputs, grank, wo_full)
+                else:  # computed by the group together (the harness's collectives, never the impl's)
+                    golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
+                    references["golden"] = layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
             context = {n: inputs[n].clone() for n in mappings}
             context.update({initial_key(n): inputs[n].clone() for n in inout})
     del wo_full
@@ -318,14 +330,13 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                     group_case = spec.case.of_group(g)
                     snapshot.save(folder, group_case, specs, ins, outs, _starts(ins, group_case))
             del stacked_in, stacked_out
-    ctx = RankContext(case=case, rank=grank, device=device, group=group, global_rank=rank, group_index=layout.group)
     with timer.stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
         # The benchmark restores the in-out tensors to their values before the step.
         pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
         with implementation_contract(rank):
             outputs = impl(ctx, tensors)
-        faults.on_outputs(spec.fault, rank, outputs, case.seq)
+        faults.on_outputs(spec.fault, rank, outputs, layer.names_of(case, Kind.OUTPUT)[0], case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with timer.stage("gather"):
         if not spec.bench:
@@ -426,4 +437,4 @@ def peak_rss_mib() -> float:
 def _starts(stacked_inputs: dict, case) -> list | None:
     """Each rank's request start positions (the first position of every request)."""
     pos = stacked_inputs.get("position_ids")
-    return pos.reshape(case.tp, -1)[:, :: case.seq].tolist() if pos is not None else None
+    return pos.reshape(case.group_size, -1)[:, :: case.seq].tolist() if pos is not None else None

@@ -148,14 +148,9 @@ def save(directory: str, case: Case, specs: dict[str, TensorSpec], inputs: dict,
         _save(t[0] if _is_scalar(spec) else t, path)
         hashes[f"{sub}/{name}.pt"] = _sha256(path)
     manifest = {
-        "layer": case.layer,
-        "scope": case.scope,
+        **case.describe(),
         "model": case.model.name,
         "model_fields": case.model.fields(),
-        "tp": case.tp,
-        "local_t": case.local_t,
-        "seed": case.seed,
-        "start_pos": list(case.start_pos) if isinstance(case.start_pos, tuple) else case.start_pos,
         "start_positions_by_rank": starts,
         "tool_version": tool_version(),
         "torch": torch.__version__,

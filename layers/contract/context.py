@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .case import Case
+from .case import Case, MoECase
 from .config import ModelConfig
 
 if TYPE_CHECKING:  # torch.distributed is only needed by the TP code paths.
@@ -31,7 +31,7 @@ class RankContext:
     `observe`: set by the harness while it records or times a stage-based implementation's
     stages (bisect, benchmarks); None otherwise."""
 
-    case: Case
+    case: Case | MoECase
     rank: int
     device: torch.device
     group: "ProcessGroup | None" = None
@@ -45,7 +45,8 @@ class RankContext:
 
     @property
     def tp(self) -> int:
-        return self.case.tp
+        """Ranks of this rank's group: the TP group (EP group of the MoE layer)."""
+        return self.case.group_size
 
     def single_device(self) -> "RankContext":
         """This rank alone, as the golden runs it: tp = 1, no process group, so every

@@ -28,6 +28,9 @@ class Layer(abc.ABC):
     # The golden projects with the full O weights (`full_o_weights`) in place of the rank's
     # shards; a focused scope without a sharded projection sets False.
     sharded_o_weights: ClassVar[bool] = True
+    # Each rank computes the golden of its own shard alone (`golden`); a layer whose golden
+    # needs every rank's data (the MoE routes) computes it with its group (`golden_of_group`).
+    golden_per_rank: ClassVar[bool] = True
 
     @abc.abstractmethod
     def validate(self, case: Case) -> None:
@@ -55,6 +58,11 @@ class Layer(abc.ABC):
     def golden(self, case: Case, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The single-device layer on one rank's tensors of `case` with full O weights (the
         reference's TP1 golden on that rank's shard); in-outs updated in place."""
+
+    def golden_of_group(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With `golden_per_rank` False: this rank's golden outputs, computed by every rank of
+        the group together through the harness's own collectives (never the implementation's)."""
+        raise NotImplementedError(f"layer {self.name!r} computes its golden per rank")
 
     @abc.abstractmethod
     def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
