@@ -286,3 +286,20 @@ class MoeProcessesTokensPastNumTokens(TorchTP):
         if ctx.rank == 1:
             tensors = {**tensors, "num_tokens": torch.tensor(ctx.case.tokens, dtype=torch.int32)}
         return super().__call__(ctx, tensors)
+
+
+# -- what `impl=` may name (launcher.run.preflight.implementation) ------------------------------------
+def torch_tp_function(ctx, tensors):
+    """The default implementation as a plain function: `impl=` naming a function runs it per rank."""
+    return TorchTP()(ctx, tensors)
+
+
+def takes_nothing():
+    """Not an implementation: it cannot be called as (ctx, tensors)."""
+
+
+class NotCallable:
+    """Not an implementation: its instances cannot be called."""
+
+
+NOT_AN_IMPLEMENTATION = 3

@@ -44,6 +44,20 @@ def _preflight(*overrides: str):
         (["tp=2", "model=tiny", "backend=foo"], "backend='foo' must be one of"),
         (["tp=2", "model=tiny", "impl._target_=nowhere.Impl"], "impl._target_='nowhere.Impl' cannot be imported"),
         (["tp=2", "model=tiny", "timeout_s=0"], "timeout_s=0"),
+        (["tp=2", "model=tiny", "timeout_s=nan"], "timeout_s=nan must be a finite number of seconds >= 1"),
+        (["tp=2", "model=tiny", "timeout_s=inf"], "timeout_s=inf must be a finite number of seconds >= 1"),
+        (["tp=2", "model=tiny", "timeout_s=1e-9"], "timeout_s=1e-09 must be a finite number of seconds >= 1"),
+        (["tp=2", "model=tiny", "model.hidden_size=0"], "model.hidden_size=0 must be >= 1"),
+        (["tp=2", "model=tiny", "model.block_size=0"], "model.block_size=0 must be >= 1"),
+        (["tp=2", "model=tiny", "model.o_groups=-8"], "model.o_groups=-8 must be >= 1"),
+        (["tp=2", "model=tiny", "model.kv_ori_block_num=0"], "model.kv_ori_block_num=0 must be >= 1"),
+        (["tp=2", "model=tiny", "impl=tests.defects.takes_nothing"],
+         "impl._target_='tests.defects.takes_nothing' is a function that cannot be called as (ctx, tensors)"),
+        (["tp=2", "model=tiny", "impl=tests.defects.NotCallable"],
+         "impl._target_='tests.defects.NotCallable' is a class whose instances cannot be called as impl(ctx, tensors)"),
+        (["tp=2", "model=tiny", "impl=tests.defects.NOT_AN_IMPLEMENTATION"], "is a int, not a class or a function"),
+        (["tp=2", "model=tiny", "impl._target_=tests.defects.PerturbRankTokens", "+impl.scale=2"],
+         "the class cannot be built as PerturbRankTokens(scale=...)"),
         (["tp=2", "model=tiny", "model.num_attention_heads=12"], "num_attention_heads must be a multiple of o_groups"),
     ],
 )
@@ -127,6 +141,11 @@ def test_a_temp_dir_too_long_for_a_unix_socket_still_runs(tmp_path):
 def _launcher(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=cwd, env=dict(os.environ, PYTHONPATH=str(REPO)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_impl_naming_a_function_runs_it_per_rank(tp_run):
+    run = tp_run(layer="swa", tp=2, model="tiny", impl="tests.defects.torch_tp_function", golden_cache=None)
+    assert run.passed, run
 
 
 def test_two_launchers_started_together_keep_two_results(tmp_path):

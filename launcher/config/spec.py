@@ -13,6 +13,7 @@ RunSpec is plain dataclasses, picklable, no OmegaConf: it is what every rank rec
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,8 +149,8 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     if cfg.start_method not in START_METHODS:
         raise ConfigError(f"start_method={cfg.start_method!r} must be one of {', '.join(START_METHODS)}")
     timeout_s = default_timeout_s(model) if cfg.timeout_s is None else float(cfg.timeout_s)
-    if timeout_s <= 0:
-        raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
+    if not (math.isfinite(timeout_s) and timeout_s >= 1):  # the rendezvous counts whole seconds
+        raise ConfigError(f"timeout_s={cfg.timeout_s} must be a finite number of seconds >= 1")
     golden, bench = _performance(cfg)
     fault = None
     if cfg.fault.kind is not None:
