@@ -120,6 +120,14 @@ def test_a_node_dying_mid_run_is_named_by_the_other(tmp_path):
     assert "rank 3" in res[1][1] and "stage 'layer'" in res[1][1], res[1][1]
 
 
+def test_a_node_without_node_0_is_refused_with_one_line_before_launch(tp_run):
+    port = _free_port()
+    run = tp_run(layer="swa", tp=2, model="tiny", timeout_s=2, overrides=["nnodes=2", "node_rank=1", f"master_port={port}"])
+    assert run.exit_code == 2 and run.status == "config-error", run
+    assert f"node 0's rendezvous store at 127.0.0.1:{port} did not answer within timeout_s=2 s" in run.report, run
+    assert not os.path.exists(os.path.join(run.output_dir, "logs"))  # nothing was launched
+
+
 def test_a_port_in_time_wait_is_free_but_a_listening_one_is_not():
     # As the rendezvous store does: a listener with SO_REUSEADDR, whose side of a connection
     # closes first, so that the connection lingers in TIME_WAIT on the store's port for a

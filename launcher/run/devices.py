@@ -13,6 +13,7 @@ import importlib.util
 import os
 import socket
 import struct
+import time
 
 import torch
 
@@ -119,3 +120,22 @@ def check_port_free(addr: str, port: int) -> None:
             s.bind((addr, port))
         except OSError as e:
             raise ConfigError(f"master_port={port} on {addr} cannot be bound ({e.strerror}); choose a free port") from e
+
+
+def wait_for_node0(addr: str, port: int, timeout_s: float) -> None:
+    """A node other than 0 waits (up to timeout_s) until node 0's rendezvous store accepts
+    connections: refused with one line if it never does, before anything is started and
+    without the store client's retry logs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"node 0's rendezvous store at {addr}:{port} did not answer within timeout_s={timeout_s:.0f} s "
+                    f"({e.strerror or e}): start node 0 (node_rank=0) with the same master_addr and master_port, or "
+                    f"check that this host can reach it") from e
+            time.sleep(0.25)
+

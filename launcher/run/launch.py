@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from launcher.config.rank_stages import RANK_STAGES
@@ -85,7 +85,9 @@ def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:
         # Single node: port 0 on loopback, the store picks a free port, so concurrent runs never
         # collide. Multi-node: node 0 hosts the store where the user says.
         rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
-        rdzv_configs={"is_host": spec.node_rank == 0, "timeout": int(spec.timeout_s), "join_timeout": int(spec.timeout_s)},
+        rdzv_configs={"is_host": spec.node_rank == 0, "timeout": int(spec.timeout_s), "join_timeout": int(spec.timeout_s),
+                      # how long a node tries to reach node 0's store (elastic's default: 60 s)
+                      **({"read_timeout": int(spec.timeout_s)} if spec.node_rank != 0 else {})},
         local_addr="127.0.0.1" if single else devices.local_address_towards(spec.master_addr),
         max_restarts=0,
         monitor_interval=0.05,
@@ -285,6 +287,14 @@ def launch(spec: RunSpec) -> LaunchOutcome:
             rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
             message=(f"rendezvous at {spec.master_addr}:{spec.master_port} timed out after {spec.timeout_s:.0f} s: "
                      f"not all {spec.nnodes} nodes joined" + (f" ({' '.join(str(e).split())})" if str(e).strip() else "")),
+        )
+        return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
+    except RendezvousConnectionError:
+        failure = RankFailure(
+            rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
+            message=(f"node {spec.node_rank} could not reach node 0's rendezvous store at {spec.master_addr}:"
+                     f"{spec.master_port} within timeout_s={spec.timeout_s:.0f} s: start node 0 (node_rank=0) with the "
+                     f"same master_addr and master_port, or check that this host can reach it"),
         )
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except SignalException as e:  # Ctrl-C / SIGTERM: the agent has already stopped every rank
