@@ -46,6 +46,14 @@ class BenchSpec:
     profile: bool = False  # torch.profiler traces of the timed rounds, one per rank
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on; the machine's count where affinity is unknown."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything a rank needs to run its part of one case, and how the launcher reports it
@@ -99,10 +107,11 @@ class RunSpec:
         return 2 * self.timeout_s
 
     def threads(self) -> int:
-        """Per-rank intra-op threads: the node's cores shared by its ranks, never oversubscribed."""
+        """Per-rank intra-op threads: the cores this process may run on (taskset, a cpuset,
+        Slurm's --cpus-per-task) shared by its ranks, never oversubscribed."""
         if self.threads_per_rank:
             return self.threads_per_rank
-        return max(1, (os.cpu_count() or 1) // self.local_ranks)
+        return max(1, usable_cpus() // self.local_ranks)
 
     def case_entry(self) -> dict:
         """result.json's `case`: what ran, as the config names it."""

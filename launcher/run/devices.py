@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import importlib
 import importlib.util
+import math
 import os
 import socket
 import struct
@@ -66,12 +67,22 @@ def check_devices(backend: str, nproc_per_node: int) -> None:
         )
 
 
-def collective_timeout_env(backend: str, timeout_s: float) -> dict[str, str]:
-    """Environment that maps the run's timeout onto the backend's own watchdogs."""
-    seconds = str(max(1, int(timeout_s)))
-    if backend == "hccl":
-        return {"HCCL_CONNECT_TIMEOUT": seconds, "HCCL_EXEC_TIMEOUT": seconds}
-    return {}
+# What CANN accepts: the connect timeout in [120, 7200] s; the execution timeout counts in
+# steps of 68 s (a value between steps is rounded by the runtime).
+HCCL_CONNECT_RANGE_S = (120, 7200)
+HCCL_EXEC_STEP_S = 68
+
+
+def collective_timeout_env(backend: str, timeout_s: float, environ: dict[str, str]) -> dict[str, str]:
+    """Environment that maps the run's timeout onto the backend's own watchdogs, within the
+    ranges the backend accepts; a variable the user set (in `environ`) is kept as it is.
+    The launcher's own deadlines (timeout_s, twice that per rank) still bound the run."""
+    if backend != "hccl":
+        return {}
+    low, high = HCCL_CONNECT_RANGE_S
+    wanted = {"HCCL_CONNECT_TIMEOUT": str(min(high, max(low, math.ceil(timeout_s)))),
+              "HCCL_EXEC_TIMEOUT": str(HCCL_EXEC_STEP_S * max(1, math.ceil(timeout_s / HCCL_EXEC_STEP_S)))}
+    return {k: v for k, v in wanted.items() if k not in environ}
 
 
 def setup_device(backend: str, local_rank: int) -> torch.device:

@@ -32,9 +32,12 @@ from launcher.run import devices, forkserver, watchdog
 from launcher.run.worker import progress_path, rank_main
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
-# A rank whose collective broke because a peer died is a casualty, not the root cause.
-_CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|timed out|Timed out|"
-                       r"DistBackendError|NCCL communicator was aborted|heartbeat", re.IGNORECASE)
+# A rank whose collective broke because a peer died is a casualty, not the root cause: gloo's
+# and NCCL's wording, and HCCL's ("... times out", its timeout error code and the CANN error
+# codes of a notify wait or socket that timed out).
+_CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|timed out|times out|"
+                       r"DistBackendError|NCCL communicator was aborted|heartbeat|HCCL_E_TIMEOUT|\bEI000[26]\b",
+                       re.IGNORECASE)
 
 
 def failed_stage(traceback_text: str) -> tuple[str, float] | None:

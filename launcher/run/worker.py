@@ -268,7 +268,7 @@ def rank_main(spec: RunSpec):
                            f"(dp={spec.dp} groups of {spec.case.group_size})")
     torch.set_num_threads(spec.threads())
     backend = devices.resolve_backend(spec.backend)
-    os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s))
+    os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s, os.environ))
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
     nodes.check_nodes_agree(spec)
