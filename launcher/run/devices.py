@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import math
 import os
+import platform
 import socket
 import struct
 import time
@@ -150,3 +151,20 @@ def wait_for_node0(addr: str, port: int, timeout_s: float) -> None:
                     f"check that this host can reach it") from e
             time.sleep(0.25)
 
+
+def device_names(backend: str, n: int) -> list[str]:
+    """The names of the first `n` devices this node's ranks ran on (the CPU's model for gloo),
+    for the record of a run; read after the ranks are gone."""
+    if backend == "nccl" and torch.cuda.is_available():
+        return [torch.cuda.get_device_name(i) for i in range(min(n, torch.cuda.device_count()))]
+    if backend == "hccl" and npu_available():
+        return [torch.npu.get_device_name(i) for i in range(min(n, torch.npu.device_count()))]
+    return [cpu_model()]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
