@@ -243,6 +243,16 @@ def test_stage_progress_plain_lines_or_one_status_line(tmp_path, tty):
                                      "swa tiny tp=2: rank 1 failed in stage golden"]
 
 
+def test_the_status_line_is_cut_to_the_terminals_width(monkeypatch):
+    # A status line longer than the terminal wraps, and "\r" then rewrites only its last row:
+    # the screen fills with stale status lines.
+    monkeypatch.setenv("COLUMNS", "30")
+    stream = _Stream(True)
+    progress.Display(stream).status("[3/12] csa flash tp=8 local_t=64  fixture 8/8  golden 8/8  layer 3/8  41.2s")
+    shown = stream.getvalue().replace("\r\x1b[2K", "").rstrip("\r")
+    assert shown == "[3/12] csa flash tp=8 local_t"  # 29 columns: the cursor never reaches the last one
+
+
 def test_compare_runs_on_rank_0_alone(tmp_path):
     stream = _Stream(False)
     watcher = progress.StageWatcher(str(tmp_path), 4, "x", display=progress.Display(stream), poll_s=60)
