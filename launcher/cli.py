@@ -9,6 +9,7 @@ Every job leaves `<output_dir>/result.json`, whatever its outcome.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from layers.contract.config import ConfigError
 
+from launcher import sweep_config
 from launcher.config.spec import config_case
 from launcher.report import console, progress, sweep
 from launcher.report.plots import write_plots
@@ -38,6 +40,10 @@ from launcher.report.result import (
 )
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
+
+
+# Written to the run's launcher.log only (Hydra's job logging; the console shows warnings).
+log = logging.getLogger("launcher")
 
 
 def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
@@ -55,10 +61,12 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
 
 
 def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> int:
+    log.info("command line: %s", " ".join(sys.argv[1:]))
     try:
         spec = preflight(cfg, output_dir)
     except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
         message = " ".join(str(e).split())
+        log.info("refused: %s", message)
         print(f"error: {message}", file=sys.stderr)
         write_result(output_dir, not_launched(config_case(cfg), "config-error", message,
                                               wall_s=time.perf_counter() - t0, stage="config"), job)
@@ -68,6 +76,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
     c = spec.case
     size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
     label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
+    log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, output %s",
+             label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(), output_dir)
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
     result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
@@ -75,7 +85,10 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
     if spec.report_plots:
         result["plots"] = write_plots(result, output_dir)
     write_result(output_dir, result, job)
-    print(console.render(result))
+    report = console.render(result)
+    log.info("report:\n%s", report)
+    log.info("exit status %d", exit_code(result))
+    print(report)
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
     return exit_code(result)
@@ -141,6 +154,8 @@ def one_line(hydra_message: str) -> str:
 def main() -> None:
     """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
     sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
+    if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
+        sys.exit(_print_sweep_configs(sys.argv[1:]))
     progress.hold_stderr_while_composing()
     code = None
     try:
@@ -158,6 +173,17 @@ def main() -> None:
     if held:
         sys.stderr.write(held)  # only printed (--help, --cfg): nothing failed
     sys.exit(final_status(code))
+
+
+def _print_sweep_configs(argv: list[str]) -> int:
+    try:
+        refusal = sweep_config.print_sweep_configs(argv)
+    except Exception as e:  # a composition error: an unknown key, a bad value
+        refusal = one_line(str(e))
+    if refusal is None:
+        return EXIT_PASS
+    print(f"error: {refusal}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def final_status(code) -> int:

@@ -114,6 +114,62 @@ def test_print_only_flags_print_and_exit_0(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_sweeps_configs_print_and_exit_0(tmp_path):
+    p = run_cli(["-m", "layer=swa,csa", "tp=1,2", "model=tiny", "--cfg", "job"], tmp_path, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    headers = [ln for ln in p.stdout.splitlines() if ln.startswith("# job ")]
+    assert headers == ["# job 0: layer=swa tp=1 model=tiny", "# job 1: layer=swa tp=2 model=tiny",
+                       "# job 2: layer=csa tp=1 model=tiny", "# job 3: layer=csa tp=2 model=tiny"]
+    configs = p.stdout.split("# job ")[1:]
+    assert "layer:\n  name: csa\n" in configs[3] and "\ntp: 2\n" in configs[3] and "\ntp: 1\n" in configs[0]
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_a_sweeps_configs_with_a_bad_key_are_one_error_line(tmp_path):
+    p = run_cli(["-m", "tpp=1,2", "--cfg", "job"], tmp_path, timeout=120)
+    assert p.returncode == EXIT_ERROR and p.stderr.startswith("error: Could not override 'tpp'"), p.stderr
+    assert len(p.stderr.splitlines()) == 1 and p.stdout == "", p.stdout + p.stderr
+
+
+def test_help_is_a_page_of_keys_exit_codes_and_examples(tmp_path):
+    p = run_cli(["--help"], tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    page = p.stdout
+    assert "Exit status: 0 PASS" in page and "Examples:" in page and "dsv4-tp-harness -sc install=bash" in page
+    assert "hidden_size: 4096" not in page and "_schema" not in page  # neither the config nor internal nodes
+    for key in ("tp", "timeout_s", "impl", "golden_cache", "nnodes", "fault.kind", "bench.rounds"):
+        assert f" {key}" in page, key
+    # Every option of every group, and nothing else, as the config tree has them.
+    groups = {ln.split()[0]: ln.split("(")[0].split()[1:] for ln in page.split("Groups (group=option):\n")[1]
+              .split("\n\n")[0].splitlines()}
+    for group, options in groups.items():
+        if group == "model":  # the presets are Python (layers.contract.config.PRESETS): below
+            continue
+        folder = REPO / "configs" / group.lstrip("+")
+        assert sorted(options) == sorted(f.stem for f in folder.glob("*.yaml")), group
+    assert set(groups) == {"layer", "model", "tokens", "starts", "+sweep"}
+
+
+def test_the_model_presets_in_the_help_are_the_presets():
+    from layers.contract.config import PRESETS
+
+    with initialize_config_module(config_module="configs", version_base=None):
+        template = compose(config_name="config", return_hydra_config=True).hydra.help.template
+    line = next(ln for ln in template.splitlines() if ln.strip().startswith("model "))
+    assert sorted(line.split("(")[0].split()[1:]) == sorted(PRESETS)
+
+
+def test_the_console_script_is_python_m_launcher():
+    # Shell completion works through the console script: it must start as `python -m launcher`
+    # does (the forkserver early, the same exit handling).
+    from importlib.metadata import entry_points
+
+    import launcher.__main__
+
+    (script,) = entry_points(group="console_scripts", name="dsv4-tp-harness")
+    assert script.load() is launcher.__main__.run
+
+
 @pytest.mark.parametrize("args, code", [
     (["impl=layers.tp.TorchTP"], 0),
     (["impl=tests.defects.ReduceScatterWithoutSum"], 1),
@@ -128,6 +184,9 @@ def test_a_run_leaves_nothing_in_the_temp_dir(tmp_path, args, code):
                     timeout=120, env={"TMPDIR": tmp})
         assert p.returncode == code, p.stdout + p.stderr
         assert sorted(os.listdir(tmp)) == []
+    # launcher.log is the run's record: what ran, the report, the exit status.
+    log = (tmp_path / "out" / "launcher.log").read_text()
+    assert "command line: layer=swa tp=2" in log and "VERDICT:" in log and f"exit status {code}" in log
 
 
 def test_a_temp_dir_too_long_for_a_unix_socket_still_runs(tmp_path):
