@@ -24,7 +24,8 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from launcher.config.spec import RunSpec, config_case
 from launcher.report.console import render
-from launcher.report.result import EXIT_ERROR, build_result, exit_code, not_launched, write_result
+from launcher.report.result import EXIT_ERROR, build_result, exit_code, not_launched
+from launcher.report.run_page import write_result_and_page
 from launcher.run.launch import RankFailure, failed_stage, is_casualty
 from launcher.run.preflight import preflight
 from launcher.run.worker import rank_main
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
         spec = preflight(cfg, output_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        write_result(output_dir, not_launched(config_case(cfg), "config-error", str(e), wall_s=time.perf_counter() - t0,
+        write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", str(e), wall_s=time.perf_counter() - t0,
                                               stage="config"))
         return EXIT_ERROR
     rank = int(os.environ["RANK"])
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
         return EXIT_ERROR
     result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=time.perf_counter() - t0)
     if rank_result.get("reporting"):  # the comparing rank reports for the run
-        write_result(output_dir, result)
+        write_result_and_page(output_dir, result)
         print(render(result))
     return exit_code(result)
 
@@ -81,7 +82,7 @@ def _report_failure(spec: RunSpec, rank: int, exc: BaseException, *, wall_s: flo
     if is_casualty(message) and os.path.exists(os.path.join(spec.output_dir, "result.json")):
         return
     result = build_result(spec, rank_result=None, error=asdict(failure), log_dir=spec.output_dir, wall_s=wall_s)
-    write_result(spec.output_dir, result)
+    write_result_and_page(spec.output_dir, result)
     print(render(result))
 
 

@@ -65,6 +65,8 @@ def test_tiny_multirun_summary_and_junit(tmp_path):
         result = json.load(open(os.path.join(j["output_dir"], "result.json")))
         assert result["passed"] is True
         assert result["devices"] == [devices.cpu_model()] and result["threads_per_rank"] == max(1, 2 // j["tp"])
+        assert os.path.isfile(os.path.join(j["output_dir"], "report.html"))
+    assert os.path.isfile(os.path.join(summary["sweep_dir"], "report.html"))
     _assert_provenance(summary)
     _assert_provenance(result)
     suite = junit.find("testsuite")
