@@ -3,7 +3,8 @@
 torchrun (or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT) starts the processes; each composes the same config from its command line, runs
 the same preflight checks and the same per-rank worker. Rank 0 prints the report and writes
-result.json; every rank exits with rank 0's verdict code (0 PASS, 1 FAIL).
+result.json; every rank exits with rank 0's verdict code (0 PASS, 1 FAIL), a rank other than
+0 only once rank 0 has reported (torchrun stops every worker when one exits non-zero).
 
 A rank that fails prints its traceback, records it in torchrun's error file (torchrun's summary
 shows it), writes an error result.json and exits 2, as under `python -m launcher`. A rank
@@ -13,12 +14,14 @@ the root cause's report stays. (torchrun itself exits 1 whenever a worker fails.
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
 import traceback
 from dataclasses import asdict
 
+import torch.distributed as dist
 from hydra import compose, initialize_config_module
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
@@ -69,7 +72,26 @@ def main(argv: list[str]) -> int:
     if rank_result.get("reporting"):  # the comparing rank reports for the run
         write_result_and_page(output_dir, result)
         print(render(result))
+        _report_done(spec, wait=False)
+    elif exit_code(result) != 0:  # torchrun stops every worker once one exits non-zero
+        _report_done(spec, wait=True)
     return exit_code(result)
+
+
+def _report_done(spec: RunSpec, *, wait: bool) -> None:
+    """Rank 0 says, through torchrun's store, that the run's report is written; a rank whose
+    verdict is not PASS waits for that (up to timeout_s) before it exits, or torchrun would
+    stop rank 0 before it reported. A store that cannot be reached only loses the wait."""
+    key = f"dsv4-tp-harness/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/reported"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        if wait:
+            store.wait([key])
+        else:
+            store.set(key, "1")
+    except (KeyError, ValueError, RuntimeError):  # no store variables, or the store is gone or silent
+        pass
 
 
 def _report_failure(spec: RunSpec, rank: int, exc: BaseException, *, wall_s: float) -> None:
