@@ -77,6 +77,7 @@ class RunSchema:
     save_data: Optional[str] = None
     recompute_golden: bool = False
     golden_cache: Optional[str] = None
+    golden_cache_max_gb: Optional[float] = 4.0  # the cache's size cap (LRU eviction); None = no cap
     fault: FaultSchema = field(default_factory=FaultSchema)
     nnodes: int = 1
     node_rank: int = 0

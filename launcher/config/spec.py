@@ -70,6 +70,7 @@ class RunSpec:
     save_data: Optional[str] = None  # write this run's inputs and golden outputs as a snapshot
     recompute_golden: bool = False  # with golden_data: also compare against a recomputed golden
     golden_cache: Optional[str] = None  # folder of cached goldens; None disables the cache
+    golden_cache_max_bytes: Optional[int] = None  # the cache's size cap (LRU eviction); None = no cap
     fault: Optional[Fault] = None
     nnodes: int = 1
     node_rank: int = 0
@@ -192,6 +193,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         save_data=_path(cfg.save_data),
         recompute_golden=bool(cfg.recompute_golden),
         golden_cache=_path(cfg.golden_cache),
+        golden_cache_max_bytes=_cache_cap(cfg.golden_cache_max_gb),
         fault=fault,
         bisect=bool(cfg.bisect),
         report_plots=bool(cfg.report.plots),
@@ -331,6 +333,15 @@ def default_timeout_s(model: ModelConfig) -> float:
 
 def _path(value: Optional[str]) -> Optional[str]:
     return os.path.abspath(os.path.expanduser(str(value))) if value else None
+
+
+def _cache_cap(gb: Optional[float]) -> Optional[int]:
+    """golden_cache_max_gb in bytes (GB = 10^9 bytes, as `du --si` shows it)."""
+    if gb is None:
+        return None
+    if not gb > 0:
+        raise ConfigError(f"golden_cache_max_gb={gb} must be > 0 (null: no cap; golden_cache=null: no cache)")
+    return int(gb * 1e9)
 
 
 # -- the case of a run refused before a RunSpec exists --------------------------------------------

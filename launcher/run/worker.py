@@ -262,7 +262,7 @@ def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -
     if hit is not None:
         return hit, "hit"
     outputs = golden_outputs(layer, case, inputs, full_o_weights())
-    problem = golden_cache.store(spec.golden_cache, ident, outputs)
+    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
     if problem:
         log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
     return outputs, f"not written: {problem}" if problem else None
