@@ -21,11 +21,6 @@ def _skip_teardown() -> None:
     os._exit(_exit_status[0])
 
 
-if __name__ == "__main__":  # not when a spawned worker re-imports the main module
-    atexit.register(_skip_teardown)  # first registered, last run
-
-from launcher.run import forkserver  # noqa: E402  (after the exit handler: see _skip_teardown)
-
 # Flags that only print (help, the composed config, completion) launch nothing.
 _PRINT_ONLY = ("-h", "--help", "--hydra-help", "-c", "--cfg", "--info", "--shell-completion", "-sc")
 
@@ -42,7 +37,11 @@ def _status(code) -> int:
     return 1
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """`python -m launcher` and the `dsv4-tp-harness` console script."""
+    atexit.register(_skip_teardown)  # first registered (before multiprocessing's), last run
+    from launcher.run import forkserver
+
     if _launches_by_forkserver(sys.argv[1:]):
         forkserver.start()  # its torch import overlaps the launcher's own imports below
     from launcher.cli import main
@@ -52,3 +51,7 @@ if __name__ == "__main__":
     except SystemExit as e:
         _exit_status[0] = _status(e.code)
         raise SystemExit(_exit_status[0]) from None
+
+
+if __name__ == "__main__":  # not when a spawned worker re-imports the main module
+    run()

@@ -9,6 +9,7 @@ Every job leaves `<output_dir>/result.json` and its page `report.html`, whatever
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -17,12 +18,14 @@ import time
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from layers.contract.config import ConfigError
 
+from launcher import sweep_config
 from launcher.config.spec import config_case
 from launcher.report import console, progress, sweep
 from launcher.report.plots import write_plots
@@ -37,6 +40,10 @@ from launcher.report.result import (
 from launcher.report.run_page import write_result_and_page
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
+
+
+# Written to the run's launcher.log only (Hydra's job logging; the console shows warnings).
+log = logging.getLogger("launcher")
 
 
 def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
@@ -54,10 +61,12 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
 
 
 def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> int:
+    log.info("command line: %s", " ".join(sys.argv[1:]))
     try:
         spec = preflight(cfg, output_dir)
     except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
         message = " ".join(str(e).split())
+        log.info("refused: %s", message)
         print(f"error: {message}", file=sys.stderr)
         write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", message,
                                                        wall_s=time.perf_counter() - t0, stage="config"), job)
@@ -67,6 +76,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
     c = spec.case
     size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
     label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
+    log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, output %s",
+             label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(), output_dir)
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
     result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
@@ -74,10 +85,41 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
     if spec.report_plots:
         result["plots"] = write_plots(result, output_dir)
     write_result_and_page(output_dir, result, job)
-    print(console.render(result))
+    report = console.render(result)
+    log.info("report:\n%s", report)
+    log.info("exit status %d", exit_code(result))
+    print(report)
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
     return exit_code(result)
+
+
+class OutputFolder(Callback):
+    """Creates the run's (or the sweep's) output folder before Hydra does: one that cannot be
+    created is refused with one line and exit status 2, not a traceback from Hydra's mkdir."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        _create_output_folder(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _create_output_folder(config, "hydra.sweep.dir")
+
+
+def _create_output_folder(config: DictConfig, key: str) -> None:
+    progress.composition_done()  # the error line goes to the terminal
+    try:
+        os.makedirs(str(OmegaConf.select(config, key)), exist_ok=True)  # claims a ${fresh_dir:...} folder
+        return
+    except (OSError, OmegaConfBaseException) as e:
+        cause = e
+        while cause is not None and not isinstance(cause, (OSError, ConfigError)):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            why = f"{key}: {cause.filename} cannot be created ({cause.strerror}); choose a writable folder"
+        else:
+            why = " ".join(str(cause or e).split())
+    print(f"error: {why}", file=sys.stderr)
+    raise SystemExit(EXIT_ERROR)
 
 
 @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
@@ -112,6 +154,8 @@ def one_line(hydra_message: str) -> str:
 def main() -> None:
     """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
     sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
+    if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
+        sys.exit(_print_sweep_configs(sys.argv[1:]))
     progress.hold_stderr_while_composing()
     code = None
     try:
@@ -129,6 +173,17 @@ def main() -> None:
     if held:
         sys.stderr.write(held)  # only printed (--help, --cfg): nothing failed
     sys.exit(final_status(code))
+
+
+def _print_sweep_configs(argv: list[str]) -> int:
+    try:
+        refusal = sweep_config.print_sweep_configs(argv)
+    except Exception as e:  # a composition error: an unknown key, a bad value
+        refusal = one_line(str(e))
+    if refusal is None:
+        return EXIT_PASS
+    print(f"error: {refusal}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def final_status(code) -> int:

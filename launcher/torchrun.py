@@ -3,40 +3,109 @@
 torchrun (or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT) starts the processes; each composes the same config from its command line, runs
 the same preflight checks and the same per-rank worker. Rank 0 prints the report and writes
-result.json; every rank exits with rank 0's verdict code (0 PASS, 1 FAIL).
+result.json; every rank exits with rank 0's verdict code (0 PASS, 1 FAIL), a rank other than
+0 only once rank 0 has reported (torchrun stops every worker when one exits non-zero).
+
+A rank that fails prints its traceback, records it in torchrun's error file (torchrun's summary
+shows it), writes an error result.json and exits 2, as under `python -m launcher`. A rank
+whose collective only broke because a peer failed writes its result only where no rank did:
+the root cause's report stays. (torchrun itself exits 1 whenever a worker fails.)
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
+import time
+import traceback
+from dataclasses import asdict
 
+import torch.distributed as dist
 from hydra import compose, initialize_config_module
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-from launcher.run.preflight import preflight
+from launcher.config.spec import RunSpec, config_case
 from launcher.report.console import render
-from launcher.report.result import EXIT_ERROR, build_result, exit_code
+from launcher.report.result import EXIT_ERROR, build_result, exit_code, not_launched
 from launcher.report.run_page import write_result_and_page
+from launcher.run.launch import RankFailure, failed_stage, is_casualty
+from launcher.run.preflight import preflight
 from launcher.run.worker import rank_main
 from layers.contract.config import ConfigError
 
 
+def output_dir_of(environ=os.environ) -> str:
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "external")
+    return os.path.abspath(environ.get("DSV4_OUTPUT_DIR", os.path.join("outputs", f"torchrun-{run_id}")))
+
+
 def main(argv: list[str]) -> int:
+    t0 = time.perf_counter()
+    errors = get_error_handler()
+    errors.initialize()
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="config", overrides=argv)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "external")
-    output_dir = os.path.abspath(os.environ.get("DSV4_OUTPUT_DIR", os.path.join("outputs", f"torchrun-{run_id}")))
+    output_dir = output_dir_of()
     try:
         spec = preflight(cfg, output_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", str(e), wall_s=time.perf_counter() - t0,
+                                              stage="config"))
         return EXIT_ERROR
-    rank_result = rank_main(spec)
-    result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=0.0)
+    rank = int(os.environ["RANK"])
+    if rank == 0:  # an earlier run's result must not stand for this one (no rank can fail a stage
+        # before rank 0 has joined the process group)
+        try:
+            os.remove(os.path.join(output_dir, "result.json"))
+        except FileNotFoundError:
+            pass
+    try:
+        rank_result = rank_main(spec)
+    except Exception as e:
+        errors.record_exception(e)
+        print(traceback.format_exc(), file=sys.stderr)
+        _report_failure(spec, rank, e, wall_s=time.perf_counter() - t0)
+        return EXIT_ERROR
+    result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=time.perf_counter() - t0)
     if rank_result.get("reporting"):  # the comparing rank reports for the run
         write_result_and_page(output_dir, result)
         print(render(result))
+        _report_done(spec, wait=False)
+    elif exit_code(result) != 0:  # torchrun stops every worker once one exits non-zero
+        _report_done(spec, wait=True)
     return exit_code(result)
+
+
+def _report_done(spec: RunSpec, *, wait: bool) -> None:
+    """Rank 0 says, through torchrun's store, that the run's report is written; a rank whose
+    verdict is not PASS waits for that (up to timeout_s) before it exits, or torchrun would
+    stop rank 0 before it reported. A store that cannot be reached only loses the wait."""
+    key = f"dsv4-tp-harness/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/reported"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        if wait:
+            store.wait([key])
+        else:
+            store.set(key, "1")
+    except (KeyError, ValueError, RuntimeError):  # no store variables, or the store is gone or silent
+        pass
+
+
+def _report_failure(spec: RunSpec, rank: int, exc: BaseException, *, wall_s: float) -> None:
+    """This rank's error as the run's result.json, unless it is a casualty and a rank already wrote one."""
+    tb = "".join(traceback.format_exception(exc))
+    message = f"{type(exc).__name__}: {exc}"
+    stage = failed_stage(tb)
+    failure = RankFailure(rank=rank, stage=stage[0] if stage else None, message=message, traceback=tb,
+                          exitcode=EXIT_ERROR, log_dir=spec.output_dir)
+    if is_casualty(message) and os.path.exists(os.path.join(spec.output_dir, "result.json")):
+        return
+    result = build_result(spec, rank_result=None, error=asdict(failure), log_dir=spec.output_dir, wall_s=wall_s)
+    write_result_and_page(spec.output_dir, result)
+    print(render(result))
 
 
 if __name__ == "__main__":

@@ -4,16 +4,20 @@
 
 Each round runs every layer at tiny dims at tp 1 and 4, plus one run with an injected fault
 (rank 1 raises) and one with a defective implementation, through the same in-process launcher
-the pytest plugin uses (the forkserver stays warm, as in a sweep). After each round it records
-the launcher's open file descriptors, its RSS, and its live child processes; at the end it
-reports hangs (a run slower than --hang-s), verdicts that changed between rounds (flaky), and
-the growth of fds, processes and RSS. Exit status 1 if any of those is found.
+the pytest plugin uses (the forkserver stays warm, as in a sweep), in a child process whose temp
+folder is a fresh one of its own. After each round it records the launcher's open file descriptors,
+its RSS, its live descendant processes (ranks included) and the files in the temp folder; at
+the end it reports hangs (a run slower than --hang-s), verdicts that changed between rounds
+(flaky), the growth of fds, processes, temp files and RSS, and the temp files left once the
+child has exited. Exit status 1 if any of those but RSS is found.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,18 +45,44 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def _children() -> int:
-    """Live processes whose parent is this launcher, less the forkserver (kept warm on purpose)."""
-    me, n = os.getpid(), 0
+def _descendants() -> int:
+    """Live processes below this launcher (ranks included: the forkserver forks them), less the
+    forkserver and the resource tracker themselves (kept warm on purpose)."""
+    parent, warm = {}, set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             cmd = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == me and b"forkserver" not in cmd and b"resource_tracker" not in cmd:
-            n += 1
+        if fields[0] != "Z":
+            pid = int(stat.parent.name)
+            parent[pid] = int(fields[1])
+            if b"forkserver import main" in cmd or b"resource_tracker import main" in cmd:
+                warm.add(pid)
+    me = os.getpid()
+
+    def below_me(pid: int) -> bool:
+        while pid in parent:
+            pid = parent[pid]
+            if pid == me:
+                return True
+        return False
+
+    return sum(below_me(pid) and pid not in warm for pid in parent)
+
+
+def _temp_files(folder: str, outputs: str | None = None) -> int:
+    """Files and folders under `folder`, less the runs' own output folder `outputs`."""
+    n = 0
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if os.path.join(root, d) != outputs]
+        n += len(dirs) + len(files)
     return n
+
+
+# Set for the soak itself, which runs in a child process whose temp folder is a fresh one.
+TEMP_ENV = "DSV4_SOAK_TMPDIR"
 
 
 def main() -> int:
@@ -60,6 +90,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--hang-s", type=float, default=60.0, help="a run slower than this counts as a hang")
     args = ap.parse_args()
+    if TEMP_ENV in os.environ:
+        return soak(args, os.environ[TEMP_ENV])
+    # The soak runs in a child with a temp folder of its own (the forkserver and the ranks
+    # inherit it), so that what is left in it once the child has exited is a leak too.
+    temp_root = tempfile.mkdtemp(prefix="dsv4-soak-")
+    try:
+        status = subprocess.call([sys.executable, *sys.argv], env=dict(os.environ, TMPDIR=temp_root, **{TEMP_ENV: temp_root}))
+        left = _temp_files(temp_root)
+        print(f"temp files left after the soak's process exited: {left}")
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)
+    return status or (1 if left else 0)
+
+
+def soak(args, temp_root: str) -> int:
     os.chdir(Path(__file__).resolve().parents[1])  # tests.defects must import in the ranks
     verdicts: dict[int, set] = {i: set() for i in range(len(JOBS))}
     samples, hangs, slowest = [], 0, 0.0
@@ -74,17 +119,19 @@ def main() -> int:
                 slowest = max(slowest, dt)
                 hangs += dt > args.hang_s
                 verdicts[i].add(run.exit_code)
-            samples.append((_fds(), _children(), _rss_mb()))
-            print(f"round {rnd + 1}/{args.rounds}: fds={samples[-1][0]} children={samples[-1][1]} "
-                  f"rss={samples[-1][2]:.0f} MB", flush=True)
+            samples.append((_fds(), _descendants(), _temp_files(temp_root, outputs=tmp), _rss_mb()))
+            print(f"round {rnd + 1}/{args.rounds}: fds={samples[-1][0]} processes={samples[-1][1]} "
+                  f"temp files={samples[-1][2]} rss={samples[-1][3]:.0f} MB", flush=True)
     flaky = {i: sorted(v) for i, v in verdicts.items() if len(v) > 1}
-    base = samples[min(1, len(samples) - 1)]  # after the first round: the forkserver and imports are warm
-    fd_growth, child_growth, rss_growth = (samples[-1][k] - base[k] for k in range(3))
+    warm = min(1, len(samples) - 1)  # by then the forkserver (and its temp folder) and imports are warm
+    base = samples[warm]
+    fd_growth, process_growth, temp_growth, rss_growth = (samples[-1][k] - base[k] for k in range(4))
     print(f"\nsoak: {args.rounds} rounds x {len(JOBS)} runs; slowest run {slowest:.1f} s; hangs {hangs}; "
           f"flaky verdicts {len(flaky)}{' ' + str(flaky) if flaky else ''}")
-    print(f"growth after round 1: fds {fd_growth:+d}, child processes {child_growth:+d}, RSS {rss_growth:+.1f} MB")
-    print("expected verdicts per job:", {i: sorted(v) for i, v in verdicts.items()})
-    return 1 if hangs or flaky or fd_growth > 0 or child_growth > 0 else 0
+    print(f"after round {warm + 1}: processes {base[1]}, temp files {base[2]}; growth since: fds {fd_growth:+d}, "
+          f"processes {process_growth:+d}, temp files {temp_growth:+d}, RSS {rss_growth:+.1f} MB")
+    print("verdicts (exit codes) per job:", {i: sorted(v) for i, v in verdicts.items()})
+    return 1 if hangs or flaky or fd_growth > 0 or process_growth > 0 or temp_growth > 0 else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ stage. The workers import this module by name, as they would a user's implementa
 
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.distributed as dist
 
 from layers import hca
 from layers.components import hca_compressor
@@ -164,6 +167,34 @@ class HcaWrongRopePosition(StageDefect):
             return hca_compressor.rope_compressed(y, torch.roll(cos, 1, 0), torch.roll(sin, 1, 0), model)
 
         return hca.compressor(ctx, v, rotate=rotate)
+
+
+class ExitOnRank1(TorchTP):
+    """Rank 1's implementation calls sys.exit(0) instead of returning its outputs."""
+
+    def __call__(self, ctx, tensors):
+        if ctx.rank == 1:
+            sys.exit(0)
+        return super().__call__(ctx, tensors)
+
+
+class InterruptOnRank1(TorchTP):
+    """Rank 1's implementation raises KeyboardInterrupt itself (no signal was sent)."""
+
+    def __call__(self, ctx, tensors):
+        if ctx.rank == 1:
+            raise KeyboardInterrupt
+        return super().__call__(ctx, tensors)
+
+
+class ExtraCollectiveOnRank1(TorchTP):
+    """After a correct layer, rank 1 enters one more collective, which its peers never do."""
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.rank == 1:
+            dist.all_reduce(torch.zeros(1), group=ctx.group)
+        return out
 
 
 # -- defects that only several TP groups in one launch (dp x tp) reveal -----------------------------
@@ -358,3 +389,20 @@ class MoeCorruptsItsInputs(TorchTP):
             tensors["x_hc"].mul_(-3)
             tensors["input_ids"].add_(7)
         return out
+
+
+# -- what `impl=` may name (launcher.run.preflight.implementation) ------------------------------------
+def torch_tp_function(ctx, tensors):
+    """The default implementation as a plain function: `impl=` naming a function runs it per rank."""
+    return TorchTP()(ctx, tensors)
+
+
+def takes_nothing():
+    """Not an implementation: it cannot be called as (ctx, tensors)."""
+
+
+class NotCallable:
+    """Not an implementation: its instances cannot be called."""
+
+
+NOT_AN_IMPLEMENTATION = 3

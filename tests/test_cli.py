@@ -3,17 +3,22 @@ print-only flags launch nothing; a run leaves nothing behind in the temp dir."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from launcher.report.result import EXIT_ERROR
 from launcher.run.preflight import preflight
 from layers.contract.config import ConfigError
 
-from .conftest import run_cli
+from .conftest import REPO, run_cli
 
 
 def _preflight(*overrides: str):
@@ -39,6 +44,20 @@ def _preflight(*overrides: str):
         (["tp=2", "model=tiny", "backend=foo"], "backend='foo' must be one of"),
         (["tp=2", "model=tiny", "impl._target_=nowhere.Impl"], "impl._target_='nowhere.Impl' cannot be imported"),
         (["tp=2", "model=tiny", "timeout_s=0"], "timeout_s=0"),
+        (["tp=2", "model=tiny", "timeout_s=nan"], "timeout_s=nan must be a finite number of seconds >= 1"),
+        (["tp=2", "model=tiny", "timeout_s=inf"], "timeout_s=inf must be a finite number of seconds >= 1"),
+        (["tp=2", "model=tiny", "timeout_s=1e-9"], "timeout_s=1e-09 must be a finite number of seconds >= 1"),
+        (["tp=2", "model=tiny", "model.hidden_size=0"], "model.hidden_size=0 must be >= 1"),
+        (["tp=2", "model=tiny", "model.block_size=0"], "model.block_size=0 must be >= 1"),
+        (["tp=2", "model=tiny", "model.o_groups=-8"], "model.o_groups=-8 must be >= 1"),
+        (["tp=2", "model=tiny", "model.kv_ori_block_num=0"], "model.kv_ori_block_num=0 must be >= 1"),
+        (["tp=2", "model=tiny", "impl=tests.defects.takes_nothing"],
+         "impl._target_='tests.defects.takes_nothing' is a function that cannot be called as (ctx, tensors)"),
+        (["tp=2", "model=tiny", "impl=tests.defects.NotCallable"],
+         "impl._target_='tests.defects.NotCallable' is a class whose instances cannot be called as impl(ctx, tensors)"),
+        (["tp=2", "model=tiny", "impl=tests.defects.NOT_AN_IMPLEMENTATION"], "is a int, not a class or a function"),
+        (["tp=2", "model=tiny", "impl._target_=tests.defects.PerturbRankTokens", "+impl.scale=2"],
+         "the class cannot be built as PerturbRankTokens(scale=...)"),
         (["tp=2", "model=tiny", "model.num_attention_heads=12"], "num_attention_heads must be a multiple of o_groups"),
         # Fields whose nonsense values give a NaN golden or a crash in it.
         (["model=tiny", "model.rms_norm_eps=-1"], "rms_norm_eps=-1.0 must be > 0"),
@@ -106,16 +125,79 @@ def test_print_only_flags_print_and_exit_0(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("impl, code", [("layers.tp.TorchTP", 0), ("tests.defects.ReduceScatterWithoutSum", 1)])
-def test_a_run_leaves_nothing_in_the_temp_dir(tmp_path, impl, code):
+def test_a_sweeps_configs_print_and_exit_0(tmp_path):
+    p = run_cli(["-m", "layer=swa,csa", "tp=1,2", "model=tiny", "--cfg", "job"], tmp_path, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    headers = [ln for ln in p.stdout.splitlines() if ln.startswith("# job ")]
+    assert headers == ["# job 0: layer=swa tp=1 model=tiny", "# job 1: layer=swa tp=2 model=tiny",
+                       "# job 2: layer=csa tp=1 model=tiny", "# job 3: layer=csa tp=2 model=tiny"]
+    configs = p.stdout.split("# job ")[1:]
+    assert "layer:\n  name: csa\n" in configs[3] and "\ntp: 2\n" in configs[3] and "\ntp: 1\n" in configs[0]
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_a_sweeps_configs_with_a_bad_key_are_one_error_line(tmp_path):
+    p = run_cli(["-m", "tpp=1,2", "--cfg", "job"], tmp_path, timeout=120)
+    assert p.returncode == EXIT_ERROR and p.stderr.startswith("error: Could not override 'tpp'"), p.stderr
+    assert len(p.stderr.splitlines()) == 1 and p.stdout == "", p.stdout + p.stderr
+
+
+def test_help_is_a_page_of_keys_exit_codes_and_examples(tmp_path):
+    p = run_cli(["--help"], tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    page = p.stdout
+    assert "Exit status: 0 PASS" in page and "Examples:" in page and "dsv4-tp-harness -sc install=bash" in page
+    assert "hidden_size: 4096" not in page and "_schema" not in page  # neither the config nor internal nodes
+    for key in ("tp", "timeout_s", "impl", "golden_cache", "nnodes", "fault.kind", "bench.rounds"):
+        assert f" {key}" in page, key
+    # Every option of every group, and nothing else, as the config tree has them.
+    groups = {ln.split()[0]: ln.split("(")[0].split()[1:] for ln in page.split("Groups (group=option):\n")[1]
+              .split("\n\n")[0].splitlines()}
+    for group, options in groups.items():
+        if group == "model":  # the presets are Python (layers.contract.config.PRESETS): below
+            continue
+        folder = REPO / "configs" / group.lstrip("+")
+        assert sorted(options) == sorted(f.stem for f in folder.glob("*.yaml")), group
+    assert set(groups) == {"layer", "model", "tokens", "starts", "+sweep"}
+
+
+def test_the_model_presets_in_the_help_are_the_presets():
+    from layers.contract.config import PRESETS
+
+    with initialize_config_module(config_module="configs", version_base=None):
+        template = compose(config_name="config", return_hydra_config=True).hydra.help.template
+    line = next(ln for ln in template.splitlines() if ln.strip().startswith("model "))
+    assert sorted(line.split("(")[0].split()[1:]) == sorted(PRESETS)
+
+
+def test_the_console_script_is_python_m_launcher():
+    # Shell completion works through the console script: it must start as `python -m launcher`
+    # does (the forkserver early, the same exit handling).
+    from importlib.metadata import entry_points
+
+    import launcher.__main__
+
+    (script,) = entry_points(group="console_scripts", name="dsv4-tp-harness")
+    assert script.load() is launcher.__main__.run
+
+
+@pytest.mark.parametrize("args, code", [
+    (["impl=layers.tp.TorchTP"], 0),
+    (["impl=tests.defects.ReduceScatterWithoutSum"], 1),
+    (["fault.kind=raise", "fault.rank=1"], 2),  # the raising rank's pytorch-errorfile-*.pickle
+])
+def test_a_run_leaves_nothing_in_the_temp_dir(tmp_path, args, code):
     # The launcher skips the interpreter's teardown at exit; the forkserver's socket folder
     # (multiprocessing's pymp-*) must still be removed.
     # A short folder of its own: the forkserver's socket path must fit AF_UNIX's 108 bytes.
     with tempfile.TemporaryDirectory(dir="/tmp", prefix="t") as tmp:
-        p = run_cli(["layer=swa", "tp=2", "model=tiny", "golden_cache=null", f"impl={impl}"], tmp_path,
+        p = run_cli(["layer=swa", "tp=2", "model=tiny", "golden_cache=null", *args], tmp_path,
                     timeout=120, env={"TMPDIR": tmp})
         assert p.returncode == code, p.stdout + p.stderr
         assert sorted(os.listdir(tmp)) == []
+    # launcher.log is the run's record: what ran, the report, the exit status.
+    log = (tmp_path / "out" / "launcher.log").read_text()
+    assert "command line: layer=swa tp=2" in log and "VERDICT:" in log and f"exit status {code}" in log
 
 
 def test_a_temp_dir_too_long_for_a_unix_socket_still_runs(tmp_path):
@@ -124,3 +206,43 @@ def test_a_temp_dir_too_long_for_a_unix_socket_still_runs(tmp_path):
     p = run_cli(["layer=swa", "tp=2", "model=tiny", "golden_cache=null"], tmp_path, timeout=120,
                 env={"TMPDIR": str(tmp)})
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _launcher(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launcher", *args], cwd=cwd, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_impl_naming_a_function_runs_it_per_rank(tp_run):
+    run = tp_run(layer="swa", tp=2, model="tiny", impl="tests.defects.torch_tp_function", golden_cache=None)
+    assert run.passed, run
+
+
+def test_two_launchers_started_together_keep_two_results(tmp_path):
+    # The default folder is ${fresh_dir:outputs/<date>/<time>}; here both launchers name the
+    # same second on purpose.
+    with initialize_config_module(config_module="configs", version_base=None):
+        hydra_cfg = compose(config_name="config", return_hydra_config=True).hydra
+    assert OmegaConf.to_container(hydra_cfg.run)["dir"].startswith("${fresh_dir:outputs/${now:")
+    assert OmegaConf.to_container(hydra_cfg.sweep)["dir"].startswith("${fresh_dir:multirun/${now:")
+    args = ["layer=swa", "tp=2", "model=tiny", "golden_cache=null", "hydra.run.dir=${fresh_dir:outputs/same}"]
+    procs = [_launcher(args, tmp_path), _launcher([*args, "impl=tests.defects.PerturbRankTokens"], tmp_path)]
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 1], [p.communicate() for p in procs]
+    results = [json.loads(p.read_text()) for p in sorted((tmp_path / "outputs").glob("same*/result.json"))]
+    assert sorted(r["case"]["impl"] for r in results) == ["layers.tp.TorchTP", "tests.defects.PerturbRankTokens"]
+
+
+@pytest.mark.parametrize("args", [
+    ["hydra.run.dir=FILE/sub"],
+    ["hydra.run.dir=${fresh_dir:FILE/sub}"],
+    ["-m", "hydra.sweep.dir=FILE/sub"],
+])
+def test_an_output_folder_that_cannot_be_created_is_one_error_line(tmp_path, args):
+    (tmp_path / "file").write_text("")
+    args = [a.replace("FILE", str(tmp_path / "file")) for a in args]
+    p = _launcher(["layer=swa", "tp=1", "model=tiny", *args], tmp_path)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_ERROR, out + err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"{tmp_path}/file" in lines[0], err

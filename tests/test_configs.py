@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -43,7 +44,17 @@ def test_start_pos_scalar_and_list():
 
 
 def test_threads_rule_never_oversubscribes(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert run_spec(_compose("tp=8"), "/x").threads() == 1
     assert run_spec(_compose("tp=1"), "/x").threads() == 2
     assert run_spec(_compose("tp=2", "threads_per_rank=3"), "/x").threads() == 3
+
+
+def test_threads_rule_counts_only_the_cpus_this_process_may_run_on():
+    # As under `taskset -c 0`, a cpuset or Slurm's --cpus-per-task=1, on a machine with more.
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        assert run_spec(_compose("tp=1"), "/x").threads() == 1
+    finally:
+        os.sched_setaffinity(0, before)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from launcher.run import devices
+from launcher.run.launch import is_casualty
 from layers.contract.config import ConfigError
 from layers.components.numerics import int8_matmul
 
@@ -56,9 +58,21 @@ def test_hccl_without_torch_npu_is_a_clear_error(monkeypatch):
         devices.device_count("hccl")
 
 
-def test_hccl_timeouts_follow_the_config():
-    assert devices.collective_timeout_env("hccl", 42.7) == {"HCCL_CONNECT_TIMEOUT": "42", "HCCL_EXEC_TIMEOUT": "42"}
-    assert devices.collective_timeout_env("gloo", 42) == {}
+@pytest.mark.parametrize("timeout_s, connect, exec_", [
+    (20, "120", "68"),  # CANN's floor for the connect timeout; one 68 s step
+    (300, "300", "340"),  # exec rounded up to the next multiple of 68 s, never shorter than timeout_s
+    (9000, "7200", "9044"),  # CANN's ceiling for the connect timeout
+])
+def test_hccl_timeouts_follow_the_config_within_canns_ranges(timeout_s, connect, exec_):
+    env = devices.collective_timeout_env("hccl", timeout_s, {})
+    assert env == {"HCCL_CONNECT_TIMEOUT": connect, "HCCL_EXEC_TIMEOUT": exec_}
+    assert devices.collective_timeout_env("gloo", timeout_s, {}) == {}
+
+
+def test_hccl_timeouts_the_user_exported_are_kept():
+    env = devices.collective_timeout_env("hccl", 20, {"HCCL_CONNECT_TIMEOUT": "600"})
+    assert env == {"HCCL_EXEC_TIMEOUT": "68"}
+    assert devices.collective_timeout_env("hccl", 20, {"HCCL_CONNECT_TIMEOUT": "600", "HCCL_EXEC_TIMEOUT": "1360"}) == {}
 
 
 def test_cpu_runs_never_import_torch_npu(tmp_path):
@@ -96,3 +110,37 @@ def test_external_torchrun_runs_the_same_worker(tmp_path):
     bad = subprocess.run(base + ["impl=tests.defects.ReduceScatterWithoutSum"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "VERDICT: FAIL" in bad.stdout, bad.stdout + bad.stderr
+
+
+def test_a_failing_rank_under_torchrun_reports_as_under_the_launcher(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "result.json").write_text('{"status": "ok", "passed": true}')  # an earlier run's
+    p = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun-logs"),
+         "-m", "launcher.torchrun", "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
+         "fault.kind=raise", "fault.rank=1", "timeout_s=30"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO), DSV4_OUTPUT_DIR=str(out)),
+        capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr  # torchrun's own status whenever a worker fails
+    summary = p.stderr[p.stderr.index("Root Cause"):]
+    assert "rank      : 1" in summary and "exitcode  : 2" in summary and "error_file: <N/A>" not in summary, summary
+    assert "InjectedFault: injected fault: rank 1 raises" in summary  # the traceback, from the error file
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "error" and (result["error"]["rank"], result["error"]["stage"]) == (1, "layer"), result
+    assert "VERDICT: ERROR" in p.stdout
+
+
+@pytest.mark.parametrize("message", [
+    "RuntimeError: [Rank 0] Timed out in allreduce after 20000 ms",  # gloo
+    "EI0002: The wait execution of the Notify register times out. Reason: ...",  # HCCL notify wait
+    "EI0006: Getting socket times out. Reason: 1. The remote does not initiate a connect request.",
+    "HCCL function error: HcclAllReduce(...), error code is HCCL_E_TIMEOUT",
+])
+def test_a_peers_timeout_is_a_casualty_in_every_backends_wording(message):
+    assert is_casualty(message)
+
+
+def test_an_own_error_is_not_a_casualty():
+    assert not is_casualty("RuntimeError: EI0003: invalid argument for the collective")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -10,6 +11,12 @@ import sys
 import uuid
 
 import pytest
+
+from hydra import compose, initialize_config_module
+
+from launcher.config.spec import run_spec
+from launcher.run import devices, nodes
+from layers.contract.config import ConfigError
 
 from .conftest import REPO
 
@@ -52,11 +59,49 @@ def test_a_defect_on_node_1_fails_both_nodes(tmp_path):
     assert "x_out FAIL" in res[0][1]
 
 
-def test_nodes_with_different_configs_are_refused_on_both(tmp_path):
-    res = _two_nodes(tmp_path, ["layer=swa", "tp=2", "model=tiny"], node_args=({}, {"seed": 5}))
+@pytest.mark.parametrize("key, value", [("seed", 5), ("scope", "tp1")])
+def test_nodes_with_different_configs_are_refused_on_both(tmp_path, key, value):
+    res = _two_nodes(tmp_path, ["layer=swa", "tp=2", "model=tiny"], node_args=({}, {key: value}))
     for node in (0, 1):
         assert res[node][0] == 2, res[node][1]
-        assert "nodes disagree on seed: node 0" in res[node][1] and "has seed=5" in res[node][1]
+        assert f"nodes disagree on {key}: node 0" in res[node][1] and f"has {key}={value}" in res[node][1]
+
+
+def _changed(value):
+    """Another value of the same kind."""
+    if value is None:
+        return "/elsewhere"
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, dict):
+        return {**value, "extra": 1}
+    if isinstance(value, tuple):
+        return (*value, 1)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, name="other")
+    raise TypeError(type(value))
+
+
+def test_every_key_of_the_run_is_agreed_on_unless_it_is_the_nodes_own():
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = compose(config_name="config", overrides=["layer=swa", "tp=2", "model=tiny", "nnodes=2", "save_data=/x"])
+    spec = run_spec(cfg, "/out")
+    base = nodes.fingerprint(spec)
+    for f in dataclasses.fields(spec):
+        if f.name == "case":
+            for g in dataclasses.fields(spec.case):
+                case = dataclasses.replace(spec.case, **{g.name: _changed(getattr(spec.case, g.name))})
+                assert nodes.fingerprint(dataclasses.replace(spec, case=case)) != base, g.name
+            continue
+        changed = nodes.fingerprint(dataclasses.replace(spec, **{f.name: _changed(getattr(spec, f.name))}))
+        if f.name in nodes.NODE_LOCAL or f.name == "save_data":  # save_data: set on both, in another folder
+            assert changed == base, f.name
+        else:
+            assert changed != base, f.name
 
 
 def test_a_node_that_never_joins_times_out_clearly(tmp_path):
@@ -73,6 +118,31 @@ def test_a_node_dying_mid_run_is_named_by_the_other(tmp_path):
     assert res[0][0] == 2 and res[1][0] == 2
     assert "a rank on another node failed or stopped during stage 'layer': node 1 (ranks 2-3)" in res[0][1], res[0][1]
     assert "rank 3" in res[1][1] and "stage 'layer'" in res[1][1], res[1][1]
+
+
+def test_a_node_without_node_0_is_refused_with_one_line_before_launch(tp_run):
+    port = _free_port()
+    run = tp_run(layer="swa", tp=2, model="tiny", timeout_s=2, overrides=["nnodes=2", "node_rank=1", f"master_port={port}"])
+    assert run.exit_code == 2 and run.status == "config-error", run
+    assert f"node 0's rendezvous store at 127.0.0.1:{port} did not answer within timeout_s=2 s" in run.report, run
+    assert not os.path.exists(os.path.join(run.output_dir, "logs"))  # nothing was launched
+
+
+def test_a_port_in_time_wait_is_free_but_a_listening_one_is_not():
+    # As the rendezvous store does: a listener with SO_REUSEADDR, whose side of a connection
+    # closes first, so that the connection lingers in TIME_WAIT on the store's port for a
+    # minute after the run (a back-to-back run on the same master_port then finds it).
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            conn, _ = server.accept()
+            conn.close()  # node 0's side closes first: its end of the connection is in TIME_WAIT
+        with pytest.raises(ConfigError, match=f"master_port={port} on 127.0.0.1 cannot be bound"):
+            devices.check_port_free("127.0.0.1", port)  # still listening
+    devices.check_port_free("127.0.0.1", port)
 
 
 def test_master_port_in_use_is_refused_before_launch(tmp_path):

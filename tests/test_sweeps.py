@@ -3,6 +3,7 @@ the progress display with and without a terminal."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import os
@@ -12,12 +13,16 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from launcher.report import progress
-from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
+from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, SCHEMA_VERSION
+from launcher.report.sweep import junit_tree
+from launcher.run import devices
 from launcher.run.preflight import preflight
+from launcher.store import snapshot
 from layers import tp
 
 from .conftest import REPO
@@ -57,19 +62,48 @@ def test_tiny_multirun_summary_and_junit(tmp_path):
     assert all(j["tensor"] == "x_out" and j["max_abs_diff"] is not None and j["wall_s"] > 0 for j in jobs)
     assert (summary["n_jobs"], summary["passed"], summary["failed"], summary["errors"]) == (4, 4, 0, 0)
     for j in jobs:
-        assert json.load(open(os.path.join(j["output_dir"], "result.json")))["passed"] is True
+        result = json.load(open(os.path.join(j["output_dir"], "result.json")))
+        assert result["passed"] is True
+        assert result["devices"] == [devices.cpu_model()] and result["threads_per_rank"] == max(1, 2 // j["tp"])
         assert os.path.isfile(os.path.join(j["output_dir"], "report.html"))
     assert os.path.isfile(os.path.join(summary["sweep_dir"], "report.html"))
+    _assert_provenance(summary)
+    _assert_provenance(result)
     suite = junit.find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("4", "0", "0")
     cases = suite.findall("testcase")
     assert [c.get("classname") for c in cases] == ["dsv4-tp-harness.swa.full"] * 2 + ["dsv4-tp-harness.hca.full"] * 2
-    assert cases[1].get("name") == "job1 layer=swa model=tiny tp=2"
+    assert cases[1].get("name") == "model=tiny tp=2 local_t=64 seed=20260819"
     assert not any(c.find("failure") is not None or c.find("error") is not None for c in cases)
     table = p.stdout[p.stdout.index("job  layer"):].splitlines()
     assert table[1].split()[:8] == ["0", "swa", "full", "tiny", "1", "128", "canonical", "PASS"]
     assert table[4].split()[:8] == ["3", "hca", "full", "tiny", "2", "64", "canonical", "PASS"]
     assert "[4/4] PASS" in p.stderr and "[2/4] swa tiny tp=2 local_t=64: layer done on 2/2 ranks" in p.stderr
+
+
+def _assert_provenance(record: dict) -> None:
+    assert record["schema_version"] == SCHEMA_VERSION and record["tool_version"] == snapshot.tool_version()
+    assert record["torch"] == torch.__version__ and record["host"]
+    age = datetime.datetime.now(datetime.timezone.utc) - datetime.datetime.fromisoformat(record["created_utc"])
+    assert datetime.timedelta(0) <= age < datetime.timedelta(hours=1)
+
+
+def _row(job: int, tp: int) -> dict:
+    return {"job": job, "overrides": ["layer=swa", "model=tiny", f"tp={tp}", "impl=layers.tp.TorchTP"],
+            "output_dir": f"out/{job}", "layer": "swa", "scope": "full", "model": "tiny", "tp": tp, "dp": 1,
+            "local_t": 128 // tp, "start_pos": None, "seed": 1, "verdict": "PASS", "wall_s": 1.0}
+
+
+def test_junit_names_each_test_by_its_case_whatever_its_place_in_the_sweep():
+    def names(rows):
+        return {r["tp"]: c.get("name") for r, c in zip(rows, junit_tree(rows).getroot().iter("testcase"))}
+
+    forward, backward = names([_row(0, 1), _row(1, 2)]), names([_row(0, 2), _row(1, 1)])
+    assert forward == backward
+    assert forward[2] == "model=tiny tp=2 local_t=64 seed=1 impl=layers.tp.TorchTP"
+    # The same case twice is still two testcases.
+    assert [c.get("name") for c in junit_tree([_row(0, 1), _row(1, 1)]).getroot().iter("testcase")] == [
+        forward[1], f"{forward[1]} (2)"]
 
 
 def test_a_failing_and_a_crashing_job_do_not_stop_the_sweep(tmp_path):
@@ -96,6 +130,7 @@ def test_fail_fast_skips_the_rest(tmp_path):
     assert refused["verdict"] == "ERROR" and "tp=3 must divide o_groups=8" in refused["message"]
     assert skipped["verdict"] == "SKIP" and skipped["tp"] == 2
     assert not os.path.exists(os.path.join(skipped["output_dir"], "logs"))  # nothing was launched
+    _assert_provenance(json.load(open(os.path.join(refused["output_dir"], "result.json"))))
     assert junit.find("testsuite").findall("testcase")[1].find("skipped") is not None
 
 
@@ -221,6 +256,16 @@ def test_stage_progress_plain_lines_or_one_status_line(tmp_path, tty):
         assert not CONTROL.search(text)
         assert text.splitlines() == ["swa tiny tp=2: fixture done on 2/2 ranks (0.70s)",
                                      "swa tiny tp=2: rank 1 failed in stage golden"]
+
+
+def test_the_status_line_is_cut_to_the_terminals_width(monkeypatch):
+    # A status line longer than the terminal wraps, and "\r" then rewrites only its last row:
+    # the screen fills with stale status lines.
+    monkeypatch.setenv("COLUMNS", "30")
+    stream = _Stream(True)
+    progress.Display(stream).status("[3/12] csa flash tp=8 local_t=64  fixture 8/8  golden 8/8  layer 3/8  41.2s")
+    shown = stream.getvalue().replace("\r\x1b[2K", "").rstrip("\r")
+    assert shown == "[3/12] csa flash tp=8 local_t"  # 29 columns: the cursor never reaches the last one
 
 
 def test_compare_runs_on_rank_0_alone(tmp_path):

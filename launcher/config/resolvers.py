@@ -22,6 +22,8 @@ from omegaconf import OmegaConf
 from layers.contract.case import TOKEN_TILE
 from layers.contract.config import ModelConfig
 
+from launcher.config.output_dirs import fresh_dir
+
 
 # The attention layers' TP size when `tp` is not given (the MoE layer has `ep` instead).
 DEFAULT_TP = 4
@@ -82,7 +84,9 @@ def golden_cache_dir() -> str:
 
 
 def register_resolvers() -> None:
-    """Make the resolvers known to OmegaConf (before any config is composed)."""
+    """Make the resolvers known to OmegaConf (before any config is composed), with
+    `${fresh_dir:BASE}` (`launcher.config.output_dirs`), resolved once per config."""
+    OmegaConf.register_new_resolver("fresh_dir", fresh_dir, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("capacity", capacity, replace=True)
     OmegaConf.register_new_resolver("row_block_below", row_block_below, replace=True)
     OmegaConf.register_new_resolver("mixed_starts", mixed_starts, replace=True)

@@ -13,6 +13,7 @@ RunSpec is plain dataclasses, picklable, no OmegaConf: it is what every rank rec
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ class BenchSpec:
     warmup: int = 0
     stages: bool = False  # time every stage of a stage-based implementation
     profile: bool = False  # torch.profiler traces of the timed rounds, one per rank
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on; the machine's count where affinity is unknown."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -100,10 +109,11 @@ class RunSpec:
         return 2 * self.timeout_s
 
     def threads(self) -> int:
-        """Per-rank intra-op threads: the node's cores shared by its ranks, never oversubscribed."""
+        """Per-rank intra-op threads: the cores this process may run on (taskset, a cpuset,
+        Slurm's --cpus-per-task) shared by its ranks, never oversubscribed."""
         if self.threads_per_rank:
             return self.threads_per_rank
-        return max(1, (os.cpu_count() or 1) // self.local_ranks)
+        return max(1, usable_cpus() // self.local_ranks)
 
     def case_entry(self) -> dict:
         """result.json's `case`: what ran, as the config names it."""
@@ -148,8 +158,8 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     if cfg.start_method not in START_METHODS:
         raise ConfigError(f"start_method={cfg.start_method!r} must be one of {', '.join(START_METHODS)}")
     timeout_s = default_timeout_s(model) if cfg.timeout_s is None else float(cfg.timeout_s)
-    if timeout_s <= 0:
-        raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
+    if not (math.isfinite(timeout_s) and timeout_s >= 1):  # the rendezvous counts whole seconds
+        raise ConfigError(f"timeout_s={cfg.timeout_s} must be a finite number of seconds >= 1")
     golden, bench = _performance(cfg)
     fault = None
     if cfg.fault.kind is not None:

@@ -63,12 +63,26 @@ class Display:
         (the plain-line display reports the same changes through `line`)."""
         if not self.tty:
             return
+        # Cut to the terminal's width: a longer line wraps, and "\r" then rewrites only its tail.
+        text = text[: max(1, self.columns() - 1)]
         with self._lock:
             # The cursor goes back to column 0: a line someone else writes (rank 0's teed log)
             # then starts at the left margin instead of after the status text.
             self.stream.write(_CLEAR_LINE + text + "\r")
             self.stream.flush()
             self._status_shown = True
+
+    def columns(self) -> int:
+        """The terminal's width: $COLUMNS where set (as the shell and shutil read it), else the
+        stream's terminal, else 80."""
+        try:
+            return int(os.environ["COLUMNS"])
+        except (KeyError, ValueError):
+            pass
+        try:
+            return os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            return 80
 
     def clear(self) -> None:
         with self._lock:

@@ -25,14 +25,18 @@ through `launcher.report.run_page.write_result_and_page`, which adds the run's r
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
+import sys
 import traceback
 
 import torch
 
 from launcher.config.spec import RunSpec
+from launcher.run import devices
+from launcher.store import snapshot
 
 # The exit status of a run: every compared tensor passed, a mismatch, anything else (an
 # invalid config, a crashed or hung rank, an implementation that broke the contract).
@@ -56,11 +60,31 @@ def exit_code(result: dict) -> int:
     return {"PASS": EXIT_PASS, "UNCHECKED": EXIT_PASS, "FAIL": EXIT_FAIL}.get(verdict(result), EXIT_ERROR)
 
 
+# The layout of result.json and summary.json: raised when a key changes meaning or goes away.
+SCHEMA_VERSION = 1
+
+
+def provenance() -> dict:
+    """What produced a record, for reading it later: the layout's version, when (UTC), the
+    tool's and torch's versions (torch_npu's and CUDA's where present) and the host."""
+    record = {"schema_version": SCHEMA_VERSION,
+              "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "tool_version": snapshot.tool_version(), "torch": torch.__version__}
+    if torch.version.cuda:
+        record["cuda"] = torch.version.cuda
+    npu = sys.modules.get("torch_npu")  # imported only by an hccl run: never imported here
+    if npu is not None:
+        record["torch_npu"] = getattr(npu, "__version__", "unknown")
+    record["host"] = platform.node()
+    return record
+
+
 def write_result(output_dir: str, result: dict, job: dict | None = None) -> dict:
-    """result.json, written whole or not at all; a sweep's job carries its `job` entry
-    (`launcher.report.sweep.job_entry`). Returns the dict written (with its verdict and job)."""
+    """result.json, written whole or not at all, with its provenance; a sweep's job carries
+    its `job` entry (`launcher.report.sweep.job_entry`). Returns the dict written (with its
+    provenance, verdict and job)."""
     os.makedirs(output_dir, exist_ok=True)
-    result = {**result, "verdict": verdict(result)}
+    result = {**provenance(), **result, "verdict": verdict(result)}
     if job is not None:
         result["job"] = job
     path = os.path.join(output_dir, "result.json")
@@ -76,11 +100,13 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
     """The result of a launched run. `rank_result`: what this node's comparing rank returned
     (`launcher.run.worker.rank_main`; None when a rank failed); `error`: the root-cause rank's
     failure (`launcher.run.launch.RankFailure`, as a dict) or None."""
+    backend = devices.resolve_backend(spec.backend)
     result = {
         "case": spec.case_entry(),
         "model_fields": spec.case.model.fields(),
-        "torch": torch.__version__,
-        "host": platform.node(),
+        "backend": backend,
+        "devices": devices.device_names(backend, spec.local_ranks),
+        "threads_per_rank": spec.threads(),
         "wall_s": round(wall_s, 3),
         "log_dir": log_dir,
     }
@@ -192,8 +218,6 @@ def not_launched(case: dict, status: str, message: str, *, wall_s: float, stage:
     """The result of a run that started no rank (status config-error, skipped or error)."""
     return {
         "case": case,
-        "torch": torch.__version__,
-        "host": platform.node(),
         "wall_s": round(wall_s, 3),
         "status": status,
         "passed": False,

@@ -3,11 +3,13 @@
 `SweepSummary` (registered under `hydra.callbacks` in configs/config.yaml) prints a line as
 each job starts and ends, and at the end of the multirun writes, into the sweep directory:
 
-* `summary.json`: `{"sweep_dir", "n_jobs", "passed", "failed", "errors", "skipped", "jobs": [...]}`,
+* `summary.json`: `{"schema_version", "created_utc", "tool_version", "torch", ..., "sweep_dir", "n_jobs",
+  "passed", "failed", "errors", "skipped", "jobs": [...]}` (the provenance of `launcher.report.result`),
   one entry per job (its overrides, case, verdict, the reference verdict and the integrity
   verdict beside it, worst tensor and the figures of its row, message, wall time);
-* `junit.xml`: one testsuite, one testcase per job; a FAIL carries the comparators' and the
-  failing integrity checks' messages as `<failure>`, a crashed or refused job an `<error>`, a
+* `junit.xml`: one testsuite, one testcase per job, named by its case (never its job number, so
+  that CI history follows a case through a reordered sweep); a FAIL carries the comparators' and
+  the failing integrity checks' messages as `<failure>`, a crashed or refused job an `<error>`, a
   fail_fast skip `<skipped>`;
 * `report.html`: the same jobs as a page, each linking to its own (`launcher.report.sweep_page`);
 
@@ -42,6 +44,7 @@ from launcher.report.result import (
     check_name,
     integrity_failures,
     integrity_verdict,
+    provenance,
     verdict,
     verdict_pair,
 )
@@ -151,6 +154,21 @@ def _xml_text(s: str) -> str:
     return _NOT_XML.sub("?", s)
 
 
+# The case's own fields, named first and in this order; the other overrides follow, sorted.
+_CASE_KEYS = ("model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing", "start_pos", "seed")
+
+
+def case_name(row: dict) -> str:
+    """A job's test name: its case (model, tp or ep, dp above 1, local_t or the MoE keys, start
+    positions unless canonical, seed) and the rest of its overrides, sorted; independent of the
+    job's place in the sweep."""
+    fields = [f"{k}={starts_text(row[k]) if k == 'start_pos' else row[k]}" for k in _CASE_KEYS
+              if row.get(k) is not None and not (k == "dp" and row[k] == 1)]
+    named = {k for k in ("layer", "scope", *_CASE_KEYS) if row.get(k) is not None}  # shown by the classname or above
+    rest = sorted(o for o in row["overrides"] if not o.startswith("hydra.") and o.split("=", 1)[0].lstrip("+~") not in named)
+    return " ".join(fields + rest) or "default"
+
+
 def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTree:
     counts = {k: sum(r["verdict"] == k for r in rows) for k in ("FAIL", "ERROR", "SKIP")}
     total_s = sum(r.get("wall_s") or 0.0 for r in rows)
@@ -158,10 +176,14 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
              "skipped": str(counts["SKIP"]), "time": f"{total_s:.3f}"}
     root = ET.Element("testsuites", attrs)
     ts = ET.SubElement(root, "testsuite", attrs)
+    seen: dict[str, int] = {}
     for r in rows:
-        name = f"job{r['job']} " + " ".join(o for o in r["overrides"] if not o.startswith("hydra."))
+        name = case_name(r)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:  # the same case twice in one sweep: still one testcase each
+            name = f"{name} ({seen[name]})"
         tc = ET.SubElement(ts, "testcase", {
-            "classname": f"{suite}.{r.get('layer') or 'unknown'}.{r.get('scope') or 'full'}", "name": _xml_text(name.strip()),
+            "classname": f"{suite}.{r.get('layer') or 'unknown'}.{r.get('scope') or 'full'}", "name": _xml_text(name),
             "time": f"{r.get('wall_s') or 0.0:.3f}",
         })
         if r["verdict"] == "FAIL":
@@ -274,8 +296,8 @@ def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
     status."""
     rows = collect_rows(sweep_dir, interrupted)
     counts = {name: sum(r["verdict"] == v for r in rows) for name, v in SUMMARY_COUNTS.items()}
-    summary = {"sweep_dir": os.path.abspath(sweep_dir), "n_jobs": len(rows), **counts, "interrupted": interrupted,
-               "jobs": rows}
+    summary = {**provenance(), "sweep_dir": os.path.abspath(sweep_dir), "n_jobs": len(rows), **counts,
+               "interrupted": interrupted, "jobs": rows}
     _write_json(os.path.join(sweep_dir, "summary.json"), summary)
     junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
     page = write_sweep_page(sweep_dir, summary)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import fcntl
 import importlib
 import importlib.util
+import math
 import os
+import platform
 import socket
 import struct
+import time
 
 import torch
 
@@ -65,12 +68,22 @@ def check_devices(backend: str, nproc_per_node: int) -> None:
         )
 
 
-def collective_timeout_env(backend: str, timeout_s: float) -> dict[str, str]:
-    """Environment that maps the run's timeout onto the backend's own watchdogs."""
-    seconds = str(max(1, int(timeout_s)))
-    if backend == "hccl":
-        return {"HCCL_CONNECT_TIMEOUT": seconds, "HCCL_EXEC_TIMEOUT": seconds}
-    return {}
+# What CANN accepts: the connect timeout in [120, 7200] s; the execution timeout counts in
+# steps of 68 s (a value between steps is rounded by the runtime).
+HCCL_CONNECT_RANGE_S = (120, 7200)
+HCCL_EXEC_STEP_S = 68
+
+
+def collective_timeout_env(backend: str, timeout_s: float, environ: dict[str, str]) -> dict[str, str]:
+    """Environment that maps the run's timeout onto the backend's own watchdogs, within the
+    ranges the backend accepts; a variable the user set (in `environ`) is kept as it is.
+    The launcher's own deadlines (timeout_s, twice that per rank) still bound the run."""
+    if backend != "hccl":
+        return {}
+    low, high = HCCL_CONNECT_RANGE_S
+    wanted = {"HCCL_CONNECT_TIMEOUT": str(min(high, max(low, math.ceil(timeout_s)))),
+              "HCCL_EXEC_TIMEOUT": str(HCCL_EXEC_STEP_S * max(1, math.ceil(timeout_s / HCCL_EXEC_STEP_S)))}
+    return {k: v for k, v in wanted.items() if k not in environ}
 
 
 def setup_device(backend: str, local_rank: int) -> torch.device:
@@ -110,9 +123,48 @@ def interface_of(ip: str) -> str | None:
 
 
 def check_port_free(addr: str, port: int) -> None:
-    """Node 0 of a multi-node run binds the store at addr:port: refuse a port already taken."""
+    """Node 0 of a multi-node run binds the store at addr:port: refuse a port already taken.
+    With SO_REUSEADDR, as the store binds: the previous run's connections in TIME_WAIT (a
+    minute after it ended) do not make the port busy, a socket listening on it does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError as e:
             raise ConfigError(f"master_port={port} on {addr} cannot be bound ({e.strerror}); choose a free port") from e
+
+
+def wait_for_node0(addr: str, port: int, timeout_s: float) -> None:
+    """A node other than 0 waits (up to timeout_s) until node 0's rendezvous store accepts
+    connections: refused with one line if it never does, before anything is started and
+    without the store client's retry logs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"node 0's rendezvous store at {addr}:{port} did not answer within timeout_s={timeout_s:.0f} s "
+                    f"({e.strerror or e}): start node 0 (node_rank=0) with the same master_addr and master_port, or "
+                    f"check that this host can reach it") from e
+            time.sleep(0.25)
+
+
+def device_names(backend: str, n: int) -> list[str]:
+    """The names of the first `n` devices this node's ranks ran on (the CPU's model for gloo),
+    for the record of a run; read after the ranks are gone."""
+    if backend == "nccl" and torch.cuda.is_available():
+        return [torch.cuda.get_device_name(i) for i in range(min(n, torch.cuda.device_count()))]
+    if backend == "hccl" and npu_available():
+        return [torch.npu.get_device_name(i) for i in range(min(n, torch.npu.device_count()))]
+    return [cpu_model()]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

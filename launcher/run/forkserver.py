@@ -11,9 +11,13 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import tempfile
+import threading
 
-# Imported by the forkserver once, so that each rank starts without re-importing torch.
-PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "layers.registry", "layers.tp",
+from launcher.run import lifeline
+
+# Imported by the forkserver once, so that each rank starts without re-importing torch; the
+# first arms the server to die with the launcher.
+PRELOAD = ["launcher.run.lifeline", "torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "layers.registry", "layers.tp",
            "layers.stages", "launcher.verify.bisect"]
 
 # MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and
@@ -52,9 +56,18 @@ def _fit_socket_path() -> None:
 
 def start() -> None:
     """Start the forkserver (once per process; later calls find it running). The environment
-    is set first: the server, and every rank forked from it, inherit it as it is now."""
+    is set first: the server, and every rank forked from it, inherit it as it is now.
+
+    The server dies with this process (`launcher.run.lifeline`) when the main thread starts
+    it: the kernel's parent-death signal follows the thread that forked, and a worker
+    thread's end would take a server that later runs still need with it."""
     use_standard_start_method("forkserver")
     _fit_socket_path()
     set_reproducible_cpu_env()
     multiprocessing.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    if threading.current_thread() is threading.main_thread():
+        os.environ[lifeline.PARENT_ENV] = str(os.getpid())
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.pop(lifeline.PARENT_ENV, None)

@@ -13,24 +13,42 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.run import devices, forkserver
+from launcher.run import devices, forkserver, watchdog
 from launcher.run.worker import progress_path, rank_main
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
-# A rank whose collective broke because a peer died is a casualty, not the root cause.
-_CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|timed out|Timed out|"
-                       r"DistBackendError|NCCL communicator was aborted|heartbeat", re.IGNORECASE)
+# A rank whose collective broke because a peer died is a casualty, not the root cause: gloo's
+# and NCCL's wording, and HCCL's ("... times out", its timeout error code and the CANN error
+# codes of a notify wait or socket that timed out).
+_CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|timed out|times out|"
+                       r"DistBackendError|NCCL communicator was aborted|heartbeat|HCCL_E_TIMEOUT|\bEI000[26]\b",
+                       re.IGNORECASE)
+
+
+def failed_stage(traceback_text: str) -> tuple[str, float] | None:
+    """The stage a rank's exception left it in, and when (the note `RankStageTimer` adds)."""
+    m = _STAGE_NOTE.search(traceback_text)
+    return (m.group(2), float(m.group(3))) if m else None
+
+
+def is_casualty(message: str) -> bool:
+    """Whether an error says the rank's collective broke because a peer failed or vanished."""
+    return bool(_CASUALTY.search(message))
 
 
 @dataclass
@@ -70,7 +88,9 @@ def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:
         # Single node: port 0 on loopback, the store picks a free port, so concurrent runs never
         # collide. Multi-node: node 0 hosts the store where the user says.
         rdzv_endpoint=f"{spec.master_addr}:{spec.master_port}",
-        rdzv_configs={"is_host": spec.node_rank == 0, "timeout": int(spec.timeout_s), "join_timeout": int(spec.timeout_s)},
+        rdzv_configs={"is_host": spec.node_rank == 0, "timeout": int(spec.timeout_s), "join_timeout": int(spec.timeout_s),
+                      # how long a node tries to reach node 0's store (elastic's default: 60 s)
+                      **({"read_timeout": int(spec.timeout_s)} if spec.node_rank != 0 else {})},
         local_addr="127.0.0.1" if single else devices.local_address_towards(spec.master_addr),
         max_restarts=0,
         monitor_interval=0.05,
@@ -109,33 +129,50 @@ def _stderr_tail(log_dir: str | None, lines: int = 30) -> str:
 DEADLINE_NOTE = "the rank outlived its deadline (2 x timeout_s) and dumped its stacks:"
 
 
-def _describe(rank: int, f, log_root: str, run_id: str, silent: dict) -> tuple[tuple, RankFailure]:
+# How much a failure says about the root cause, most first: the rank's own error, a rank the
+# launcher's watchdog killed (frozen, or past its deadline), a casualty of a peer's failure.
+OWN, KILLED_BY_WATCHDOG, CASUALTY = 0, 1, 2
+
+
+def _describe(rank: int, f, log_root: str, run_id: str, silent: dict, killed: dict) -> tuple[tuple, RankFailure]:
     log_dir = _rank_log_dir(log_root, run_id, f.local_rank)
     msg, tb = f.message, ""
     if isinstance(msg, dict):
         tb = msg.get("extraInfo", {}).get("py_callstack", "")
         msg = msg.get("message", "<no message>")
-        m = _STAGE_NOTE.search(tb)
-        stage, t = (m.group(2), float(m.group(3))) if m else (None, float(f.timestamp))
-        casualty = bool(_CASUALTY.search(str(msg)))
+        stage, t = failed_stage(tb) or (None, float(f.timestamp))
+        kind = CASUALTY if is_casualty(str(msg)) else OWN
     else:
         # No Python error report: the process exited on its own (os._exit, a deadline's stack
         # dump) or was killed; its progress events say in which stage, its stderr says the rest.
         stage, t = silent.get(rank, (None, float(f.timestamp)))
         where = f" in stage '{stage}'" if stage else ""
         tb = _stderr_tail(log_dir)
-        why = "it outlived its deadline" if tb.startswith(DEADLINE_NOTE) else "os._exit, a crash or a signal"
-        msg = f"rank {rank} exited with status {f.exitcode}{where} without a Python error report ({why})"
-        casualty = f.exitcode in (-15, -9) and rank not in silent  # stopped by the agent
+        if rank in killed:
+            msg, kind = killed[rank], KILLED_BY_WATCHDOG
+        else:
+            why = "it outlived its deadline" if tb.startswith(DEADLINE_NOTE) else "os._exit, a crash or a signal"
+            msg = f"rank {rank} exited with status {f.exitcode}{where} without a Python error report ({why})"
+            kind = CASUALTY if f.exitcode in (-15, -9) and rank not in silent else OWN  # stopped by the agent
     failure = RankFailure(rank=rank, stage=stage, message=str(msg), traceback=tb, exitcode=f.exitcode, log_dir=log_dir)
-    # Root cause first: not a casualty of a peer, then the earliest (sub-second) failure time.
-    return (casualty, t, rank), failure
+    # Root cause first: by kind; among casualties, the one left behind in the earliest stage
+    # (its peers had moved on); then the earliest (sub-second) failure time.
+    return (kind, _stage_order(stage) if kind == CASUALTY else 0, t, rank), failure
 
 
-def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int) -> dict:
-    """The agent's failures plus every rank that left an error file before it was stopped."""
+def _stage_order(stage: str | None) -> int:
+    return RANK_STAGES.index(stage) if stage in RANK_STAGES else len(RANK_STAGES)
+
+
+def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int,
+                       killed: dict) -> dict:
+    """The agent's failures, every rank the watchdog killed, and every rank that left an error
+    file before it was stopped."""
     # Key by our global rank (node-major, see worker.rank_main), not the agent's numbering.
     failures = {rank_base + f.local_rank: f for f in e.failures.values()}
+    for rank in killed:  # the agent reports only the first failure it saw
+        failures.setdefault(rank, ProcessFailure(local_rank=rank - rank_base, pid=-1, exitcode=-signal.SIGKILL,
+                                                 error_file=""))
     for local_rank in range(nproc):
         rank = rank_base + local_rank
         log_dir = _rank_log_dir(log_root, run_id, local_rank)
@@ -171,12 +208,15 @@ def _unfinished_stages(output_dir: str, ranks) -> dict[int, tuple[str, float]]:
     return open_stage
 
 
-def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0) -> RankFailure:
+def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0,
+             killed: dict | None = None) -> RankFailure:
+    """The root-cause failure; `killed`: the ranks the launcher's watchdog killed, and why."""
     nproc = spec.local_ranks
-    failures = _recorded_failures(e, log_root, run_id, nproc, rank_base)
+    killed = killed or {}
+    failures = _recorded_failures(e, log_root, run_id, nproc, rank_base, killed)
     silent = _unfinished_stages(spec.output_dir, range(rank_base, rank_base + nproc))
-    ranked = sorted(_describe(r, f, log_root, run_id, silent) for r, f in failures.items())
-    casualties_only = all(key[0] for key, _ in ranked)
+    ranked = sorted(_describe(r, f, log_root, run_id, silent, killed) for r, f in failures.items())
+    casualties_only = all(key[0] == CASUALTY for key, _ in ranked)
     if casualties_only and silent:
         # Every error report blames a peer: the root cause is a rank that stopped in a stage
         # without one (it hung, or exited without a Python error).
@@ -192,6 +232,15 @@ def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, ran
         return root
     root = ranked[0][1]
     root.other_ranks = sorted(f.rank for _, f in ranked[1:])
+    ahead = [f for _, f in ranked[1:] if _stage_order(f.stage) > _stage_order(root.stage)]
+    if casualties_only and root.stage and ahead:
+        # Every rank timed out, this one in an earlier stage than its peers: it waited in a
+        # collective they never entered (an extra one of its own), or they skipped one.
+        stages = sorted({f.stage for f in ahead if f.stage}, key=_stage_order)
+        root.message = (f"rank {root.rank} was left behind in stage '{root.stage}' while ranks "
+                        f"{sorted(f.rank for f in ahead)} had moved on to {', '.join(repr(s) for s in stages) or 'the end'}: "
+                        f"it entered a collective they never entered (or they skipped one); it saw: {root.message}")
+        return root
     if casualties_only and spec.nnodes > 1:
         # This node's ranks only lost a peer: the cause is on another node.
         per = spec.local_ranks
@@ -199,6 +248,21 @@ def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, ran
         root.message = (f"a rank on another node failed or stopped during stage '{root.stage}': {others}; "
                         f"see that node's report. This node's ranks saw: {root.message}")
     return root
+
+
+@contextmanager
+def _private_tempdir():
+    """The launch's temp files in a folder of its own, removed once the outcome is read: torch's
+    `start_processes` names an error file per rank in the temp folder
+    (`pytorch-errorfile-*.pickle`), which a rank that raises writes and nothing ever removes.
+    (`tempfile.tempdir` is the standard library's documented switch for that folder.)"""
+    folder = tempfile.mkdtemp(prefix="dsv4-launch-")
+    previous, tempfile.tempdir = tempfile.tempdir, folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def launch(spec: RunSpec) -> LaunchOutcome:
@@ -214,15 +278,26 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
     logging.getLogger("torchelastic-events-null").setLevel(logging.WARNING)  # per-worker status events
+    ranks = range(spec.rank_base, spec.rank_base + spec.local_ranks)
     try:
-        results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
+        with _private_tempdir(), watchdog.RankWatchdog(spec.output_dir, ranks, spec.deadline_s) as dog:
+            results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
     except ChildFailedError as e:
-        return LaunchOutcome(result=None, failure=_failure(e, spec, log_root, run_id, spec.rank_base), log_dir=log_root)
+        failure = _failure(e, spec, log_root, run_id, spec.rank_base, dog.killed)
+        return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except RendezvousTimeoutError as e:
         failure = RankFailure(
             rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
             message=(f"rendezvous at {spec.master_addr}:{spec.master_port} timed out after {spec.timeout_s:.0f} s: "
                      f"not all {spec.nnodes} nodes joined" + (f" ({' '.join(str(e).split())})" if str(e).strip() else "")),
+        )
+        return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
+    except RendezvousConnectionError:
+        failure = RankFailure(
+            rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
+            message=(f"node {spec.node_rank} could not reach node 0's rendezvous store at {spec.master_addr}:"
+                     f"{spec.master_port} within timeout_s={spec.timeout_s:.0f} s: start node 0 (node_rank=0) with the "
+                     f"same master_addr and master_port, or check that this host can reach it"),
         )
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except SignalException as e:  # Ctrl-C / SIGTERM: the agent has already stopped every rank

@@ -10,6 +10,9 @@ ConfigError naming the key, the value and the rule.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 from hydra.utils import get_object
 from omegaconf import DictConfig
 
@@ -29,9 +32,52 @@ def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
     devices.check_devices(backend, spec.local_ranks)
     if spec.nnodes > 1 and spec.node_rank == 0:
         devices.check_port_free(spec.master_addr, spec.master_port)
+    elif spec.nnodes > 1:
+        devices.wait_for_node0(spec.master_addr, spec.master_port, spec.timeout_s)
+    return dataclasses.replace(spec, impl=implementation(spec.impl))
+
+
+def implementation(impl: dict) -> dict:
+    """The `impl` spec checked, and completed by the rule for what `impl._target_` names:
+
+    * a class: instantiated once per rank with the other keys of `impl` as constructor
+      arguments; the instance is called as `instance(ctx, tensors)`;
+    * a function (any other callable): it is the implementation itself, called as
+      `function(ctx, tensors, **other keys)` (Hydra's `_partial_`; `impl._partial_=false` makes
+      it a factory instead, called once with the other keys to build the implementation).
+
+    Refused with one line: a target that cannot be imported, is not callable, or whose
+    signature cannot take those calls.
+    """
+    target = impl["_target_"]
     try:
-        get_object(spec.impl["_target_"])
+        obj = get_object(target)
     except Exception as e:  # ImportError, AttributeError, ...: all mean "cannot find it"
-        reason = " ".join(str(e).split())
-        raise ConfigError(f"impl._target_={spec.impl['_target_']!r} cannot be imported: {reason}") from e
-    return spec
+        raise ConfigError(f"impl._target_={target!r} cannot be imported: {' '.join(str(e).split())}") from e
+    kwargs = {k: v for k, v in impl.items() if not k.startswith("_")}
+    keys = "".join(f", {k}=..." for k in kwargs)
+    if inspect.isclass(obj):
+        _check_call(obj, (), kwargs, f"impl._target_={target!r}: the class cannot be built as {obj.__name__}({keys[2:]})")
+        call = next((vars(c)["__call__"] for c in obj.__mro__ if "__call__" in vars(c)), None)
+        if call is None:
+            raise ConfigError(f"impl._target_={target!r} is a class whose instances cannot be called as impl(ctx, tensors)")
+        _check_call(call, (None, None, None), {}, f"impl._target_={target!r}: its instances cannot be called as impl(ctx, tensors)")
+        return impl
+    if not callable(obj):
+        raise ConfigError(f"impl._target_={target!r} is a {type(obj).__name__}, not a class or a function")
+    if impl.get("_partial_") is False:  # a factory: called once with the other keys
+        _check_call(obj, (), kwargs, f"impl._target_={target!r} (a factory, impl._partial_=false) cannot be called as ({keys[2:]})")
+        return impl
+    _check_call(obj, (None, None), kwargs, f"impl._target_={target!r} is a function that cannot be called as (ctx, tensors{keys})")
+    return {**impl, "_partial_": True}
+
+
+def _check_call(fn, args: tuple, kwargs: dict, refusal: str) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call itself will tell
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{refusal}: {e}") from e

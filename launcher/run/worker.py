@@ -30,8 +30,9 @@ import json
 import logging
 import os
 import resource
-import socket
+import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -47,7 +48,7 @@ from layers.distributed import wire
 from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.run import bench, devices, faults, forkserver
+from launcher.run import bench, devices, faults, forkserver, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.store import golden_cache, snapshot
 from launcher.store.golden_cache import tensor_sha256
@@ -61,6 +62,41 @@ log = logging.getLogger("launcher.run.worker")
 
 class ImplContractError(RuntimeError):
     """The implementation under test returned something that breaks the layer's contract."""
+
+
+_SIGINT_RECEIVED = threading.Event()
+
+
+def _note_sigint() -> None:
+    """Note a real SIGINT before Python's handler turns it into KeyboardInterrupt (so that one
+    the implementation raises itself can be told apart). Main thread only, where handlers live."""
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) or threading.current_thread() is not threading.main_thread():
+        return  # ignored or default: no signal becomes a KeyboardInterrupt
+
+    def handler(signum, frame):
+        _SIGINT_RECEIVED.set()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+
+
+@contextmanager
+def implementation_contract(rank: int):
+    """The implementation's code returns its outputs or raises an error. A `sys.exit()` or a
+    KeyboardInterrupt of its own would end this rank without an error report while its peers
+    wait in the next collective, and a peer's timeout would be blamed: both are contract errors
+    of this rank. (A KeyboardInterrupt from a real Ctrl-C passes on.)"""
+    try:
+        yield
+    except SystemExit as e:
+        raise ImplContractError(f"rank {rank}: the implementation called sys.exit({e.code!r}) "
+                                f"instead of returning its outputs or raising an error") from e
+    except KeyboardInterrupt as e:
+        if _SIGINT_RECEIVED.is_set():
+            raise
+        raise ImplContractError(f"rank {rank}: the implementation raised KeyboardInterrupt itself (no Ctrl-C "
+                                f"reached this rank) instead of returning its outputs or raising an error") from e
 
 
 class GoldenNotFinite(RuntimeError):
@@ -282,6 +318,7 @@ def compare(case, layer, actual: dict, golden: dict, context: dict, integrity_on
 
 
 def rank_main(spec: RunSpec):
+    lifeline.die_with_parent()  # a rank never outlives its parent, whatever kills the launcher
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     if spec.nnodes > 1:
         # The rendezvous orders nodes by address and pid, not by node_rank; we number the ranks
@@ -292,6 +329,8 @@ def rank_main(spec: RunSpec):
             if ifname:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname  # the interface that reaches node 0
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    watchdog.write_pid_file(spec.output_dir, rank)
+    _note_sigint()
     _setup_logging(rank)
     # A rank that outlives its deadline (hung outside any collective) dumps every thread's
     # stack into its stderr log and exits, so a run can never hang forever.
@@ -302,10 +341,10 @@ def rank_main(spec: RunSpec):
                            f"(dp={spec.dp} groups of {spec.case.group_size})")
     torch.set_num_threads(spec.threads())
     backend = devices.resolve_backend(spec.backend)
-    os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s))
+    os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s, os.environ))
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
-    check_nodes_agree(spec)
+    nodes.check_nodes_agree(spec)
     layout = GroupLayout(spec.dp, spec.case.group_size, rank)
     result = _run(spec, layout, tp_process_group(layout), device)
     faulthandler.cancel_dump_traceback_later()
@@ -313,33 +352,6 @@ def rank_main(spec: RunSpec):
     # peer that sees the closed connection could be reported first.
     dist.destroy_process_group()
     return result
-
-
-class ConfigMismatch(RuntimeError):
-    """The nodes of one run were started with different configs."""
-
-
-def fingerprint(spec: RunSpec) -> dict:
-    """What every node of a run must agree on."""
-    return {**spec.case.describe(), "model": spec.case.model.fields(), "dp": spec.dp, "impl": spec.impl,
-            "nnodes": spec.nnodes, "tool_version": snapshot.tool_version()}
-
-
-def check_nodes_agree(spec: RunSpec) -> None:
-    """At rendezvous: refuse, on every rank, a run whose nodes disagree on the config."""
-    mine = {"node": spec.node_rank, "host": socket.gethostname(), "config": fingerprint(spec)}
-    everyone = [None] * spec.world
-    dist.all_gather_object(everyone, mine)
-    ref = everyone[0]
-    for other in everyone[1:]:
-        diff = [k for k in ref["config"] if ref["config"][k] != other["config"][k]]
-        if diff:
-            k = diff[0]
-            show = (lambda v: {f: x for f, x in v.items() if ref["config"][k].get(f) != other["config"][k].get(f)}) if k == "model" else (lambda v: v)
-            raise ConfigMismatch(
-                f"nodes disagree on {', '.join(diff)}: node {ref['node']} ({ref['host']}) has {k}={show(ref['config'][k])}, "
-                f"node {other['node']} ({other['host']}) has {k}={show(other['config'][k])}"
-            )
 
 
 def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
@@ -364,7 +376,8 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         else:
             inputs = layer.rank_inputs(case, grank)
         input_digests = {n: tensor_sha256(inputs[n]) for n in pure}
-        impl = instantiate(spec.impl)
+        with implementation_contract(rank):
+            impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
     ctx = RankContext(case=case, rank=grank, device=device, group=group, global_rank=rank, group_index=layout.group)
@@ -399,7 +412,8 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         # The benchmark restores the in-out tensors to their values before the step.
         pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
         pure_tensors = {n: tensors[n] for n in pure}  # the implementation may rebind the dict's entries
-        outputs = impl(ctx, tensors)
+        with implementation_contract(rank):
+            outputs = impl(ctx, tensors)
         # An output fault hits the layer's output (x_out, x_next), a focused scope's first in-out.
         faults.on_outputs(spec.fault, rank, outputs, (layer.names_of(case, Kind.OUTPUT) or compared)[0], case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
@@ -452,7 +466,9 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
             fresh = (snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs) if spec.golden_data
                      else layer.rank_inputs(case, grank))
-            merged = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
+            with implementation_contract(rank):
+                walked = bisect.bisect_rank(layer, ctx, fresh, impl)
+            merged = bisect.gather_bisect(ctx, walked)
             located = [None] * world if rank == 0 else None
             dist.gather_object(merged, located, dst=0)  # each group's rank 0 holds its group's report
             if rank == 0:

@@ -33,6 +33,13 @@ MOE_LOCAL_EXPERTS = 16
 MOE_MAX_EP = 16
 
 
+# The integer fields that may be 0 (a start position, YaRN off, no shared-expert or hash
+# layers); every other one is a size or a count, at least 1.
+_MAY_BE_ZERO = frozenset({"decode_start_pos", "original_max_position_embeddings", "n_shared_experts", "num_hash_layers"})
+# Integer fields whose range `_numeric_rules` states with its reason.
+_OWN_RULE = frozenset({"beta_fast", "beta_slow", "hc_sinkhorn_iters"})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -144,6 +151,13 @@ class ModelConfig:
         return ep * MOE_TOKENS
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # sizes and counts first: the rules below divide by them
+            value = getattr(self, f.name)
+            if f.name in _OWN_RULE:
+                continue
+            least = 0 if f.name in _MAY_BE_ZERO else 1
+            if isinstance(value, int) and not isinstance(value, bool) and value < least:
+                raise ConfigError(f"model preset {self.name!r}: model.{f.name}={value} must be >= {least}")
         rules = [
             (self.hc_mult == 4, "hc_mult must be 4 (hc_pre mixes exactly four streams)"),
             (self.hc_dim % 16 == 0, "hc_mult*hidden_size must be a multiple of 16 (hc_pre cube emulation)"),

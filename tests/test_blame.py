@@ -1,0 +1,22 @@
+"""The root cause named is the rank whose implementation broke the run, not a peer that timed
+out waiting for it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("impl, message", [
+    ("ExitOnRank1", "rank 1: the implementation called sys.exit(0) instead of returning its outputs"),
+    ("InterruptOnRank1", "rank 1: the implementation raised KeyboardInterrupt itself"),
+    ("ExtraCollectiveOnRank1", "rank 1 was left behind in stage 'layer' while ranks [0] had moved on to 'gather': "
+                               "it entered a collective they never entered"),
+])
+def test_the_rank_that_broke_the_run_is_named(tp_run, impl, message):
+    run = tp_run(layer="swa", tp=2, model="tiny", timeout_s=5, golden_cache=None, impl=f"tests.defects.{impl}")
+    assert run.exit_code == 2, run
+    err = run.result["error"]
+    assert (err["rank"], err["stage"]) == (1, "layer"), run
+    assert message in err["message"], run
