@@ -1,7 +1,8 @@
 """The worker under an external launcher: `torchrun --nproc_per_node 4 -m launcher.torchrun layer=swa tp=4`.
 
 torchrun (or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT) starts the processes; each composes the same config from its command line, runs
+MASTER_PORT) starts the processes; under `srun --ntasks-per-node=4` they come from the Slurm
+step (`launcher.config.slurm`); each composes the same config from its command line, runs
 the same preflight checks and the same per-rank worker. Rank 0 prints the report and writes
 result.json; every rank exits with rank 0's verdict code (0 PASS, 1 FAIL).
 """
@@ -13,6 +14,7 @@ import sys
 
 from hydra import compose, initialize_config_module
 
+from launcher.config.slurm import node_keys, rank_env, slurm_step
 from launcher.run.preflight import preflight
 from launcher.report.console import render
 from launcher.report.result import EXIT_ERROR, build_result, exit_code, write_result
@@ -23,7 +25,16 @@ from layers.contract.config import ConfigError
 def main(argv: list[str]) -> int:
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="config", overrides=argv)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "external")
+    step = slurm_step(os.environ)
+    if step is not None and "RANK" not in os.environ:
+        # Under srun, one task per rank: the task's place in the step is its rank.
+        try:
+            keys = node_keys(cfg, step, task_is_rank=True)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+        os.environ.update(rank_env(step, keys["master_addr"], keys["master_port"]))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "external"
     output_dir = os.path.abspath(os.environ.get("DSV4_OUTPUT_DIR", os.path.join("outputs", f"torchrun-{run_id}")))
     try:
         spec = preflight(cfg, output_dir)

@@ -30,6 +30,7 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.config.slurm import node_output_dir
 from launcher.report import progress
 from launcher.report.console import fmt, table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, verdict
@@ -305,7 +306,7 @@ class SweepSummary(Callback):
         progress.composition_done()
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        path = os.path.join(str(config.hydra.runtime.output_dir), "result.json")
+        path = os.path.join(node_output_dir(str(config.hydra.runtime.output_dir), os.environ), "result.json")
         try:
             with open(path) as f:
                 result = json.load(f)
@@ -334,7 +335,7 @@ class SweepSummary(Callback):
         sweep = progress.SWEEP
         if sweep is None:
             return
-        output_dir = str(config.hydra.runtime.output_dir)
+        output_dir = node_output_dir(str(config.hydra.runtime.output_dir), os.environ)
         try:
             with open(os.path.join(output_dir, "result.json")) as f:
                 result = json.load(f)

@@ -10,6 +10,8 @@ ConfigError naming the key, the value and the rule.
 
 from __future__ import annotations
 
+import os
+
 from hydra.utils import get_object
 from omegaconf import DictConfig
 
@@ -27,7 +29,8 @@ def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
         snapshot.check(spec.golden_data, spec.layer.tensor_specs(spec.case), spec.case.group_size)
     backend = devices.resolve_backend(spec.backend)
     devices.check_devices(backend, spec.local_ranks)
-    if spec.nnodes > 1 and spec.node_rank == 0:
+    # A rank of an external launcher (RANK set) finds the port held by that launcher's store.
+    if spec.nnodes > 1 and spec.node_rank == 0 and "RANK" not in os.environ:
         devices.check_port_free(spec.master_addr, spec.master_port)
     try:
         get_object(spec.impl["_target_"])
