@@ -178,9 +178,15 @@ def planned_jobs(config: DictConfig) -> list[list[str]] | None:
     sweeper, whose jobs are not known in advance."""
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         return None
-    params = config.hydra.sweeper.get("params") or {}
+    return expand_jobs(config.hydra.sweeper.get("params") or {},
+                       list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False)))
+
+
+def expand_jobs(params, overrides: list[str]) -> list[list[str]]:
+    """The basic sweeper's jobs from a sweep file's `hydra.sweeper.params` and the command
+    line's task overrides (see `planned_jobs`)."""
     args = [f"{k}={v}" for k, v in params.items()]
-    args += list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+    args += list(overrides)
     choices: dict[str, list[str]] = {}
     for o in OverridesParser.create().parse_overrides(args):
         key = o.get_key_element()
