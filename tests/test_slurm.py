@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from launcher.config.slurm import PORT_BASE, PORT_SPAN, expand_nodelist, tasks_per_node
+from launcher.config.slurm import PORT_BASE, PORT_SPAN, expand_nodelist, slurm_step, tasks_per_node
 from layers.contract.config import ConfigError
 
 from .conftest import REPO
@@ -33,6 +33,16 @@ def test_compressed_node_lists_and_task_counts():
         expand_nodelist("node[3-1]")
 
 
+def test_a_batch_script_without_srun_is_no_step():
+    # sbatch's batch step has the job's variables on its first node alone: no multi-node job.
+    batch = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "2",
+             "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)"}
+    assert slurm_step(batch) is None
+    step = slurm_step({**batch, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "node[1-2]"})
+    assert (step.nnodes, step.node_rank, step.master_addr, step.tasks_here) == (2, 0, "node1", 1)
+    assert step.master_port == PORT_BASE + 7
+
+
 def _job_id_with_free_port() -> str:
     """A Slurm job id whose derived master port is free here."""
     for _ in range(100):
@@ -47,7 +57,8 @@ def _job_id_with_free_port() -> str:
 
 
 def _slurm_env(node: int, job_id: str, nnodes: int = 2, tasks: str = "1(x2)") -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO), SLURM_JOB_ID=job_id, SLURM_PROCID=str(node), SLURM_NODEID=str(node),
+    return dict(os.environ, PYTHONPATH=str(REPO), SLURM_JOB_ID=job_id, SLURM_STEP_ID="0", SLURM_PROCID=str(node),
+                SLURM_NODEID=str(node),
                 SLURM_LOCALID="0", SLURM_NNODES=str(nnodes), SLURM_NTASKS=str(nnodes),
                 SLURM_JOB_NODELIST=f"127.0.0.[1-{nnodes}]", SLURM_STEP_TASKS_PER_NODE=tasks)
 

@@ -1,7 +1,7 @@
 """The Slurm job step this process runs in: the node keys of a multi-node run, from `srun`'s environment.
 
-Under `srun` every task has SLURM_PROCID, SLURM_NODEID and the step's node count and node
-list (SLURM_STEP_NUM_NODES / SLURM_STEP_NODELIST, or the job's SLURM_NNODES /
+Under `srun` every task has SLURM_STEP_ID, SLURM_PROCID, SLURM_NODEID and the step's node
+count and node list (SLURM_STEP_NUM_NODES / SLURM_STEP_NODELIST, or the job's SLURM_NNODES /
 SLURM_JOB_NODELIST where the step ones are absent). `python -m launcher`, run as one task per
 node, takes nnodes, node_rank and master_addr (the list's first host) from them, and a
 master port derived from SLURM_JOB_ID, so that jobs sharing a node do not collide;
@@ -108,8 +108,10 @@ def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
 
 
 def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
-    """The step this task of `srun` runs in; None outside one (no SLURM_PROCID / SLURM_NODEID)."""
-    if "SLURM_PROCID" not in env or "SLURM_NODEID" not in env:
+    """The step this task of `srun` runs in; None outside one. srun sets SLURM_STEP_ID; a batch
+    script run by sbatch has the job's variables but runs on the first node alone, so there
+    a launcher stays a single-node run unless told otherwise."""
+    if not {"SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NODEID"} <= env.keys():
         return None
     nodes = _first(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
     nodelist = _first(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
