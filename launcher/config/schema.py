@@ -88,6 +88,7 @@ class RunSchema:
     golden: bool = True  # false: performance only, no golden and no comparison (verdict UNCHECKED)
     bench: BenchSchema = field(default_factory=BenchSchema)
     profile: bool = False  # torch.profiler traces of the benchmark rounds, one per rank
+    integrity: bool = True  # integrity checks beside the reference comparators (launcher.verify.integrity)
 
 
 def register() -> None:

@@ -73,6 +73,7 @@ class RunSpec:
     dp: int = 1  # TP groups side by side: the world is dp * tp ranks (launcher.run.groups)
     golden: bool = True  # False: a performance-only run, no golden and no comparison (UNCHECKED)
     bench: Optional[BenchSpec] = None  # benchmark rounds after the validated step
+    integrity: bool = True  # the integrity checks beside the reference comparators also judge the run
 
     @property
     def layer(self) -> Layer:
@@ -185,6 +186,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         fault=fault,
         bisect=bool(cfg.bisect),
         report_plots=bool(cfg.report.plots),
+        integrity=bool(cfg.integrity),
         dp=dp,
         golden=golden,
         bench=bench,
