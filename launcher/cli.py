@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from layers.contract.config import ConfigError
 
 from launcher import sweep_config
+from launcher.config.slurm import node_output_dir
 from launcher.config.spec import config_case
 from launcher.report import console, progress, sweep
 from launcher.report.plots import write_plots
@@ -62,6 +63,9 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
 
 def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> int:
     log.info("command line: %s", " ".join(sys.argv[1:]))
+    if node_output_dir(output_dir, os.environ) != output_dir:
+        # Node k > 0 of a Slurm job: only node 0's result (the compared one) is the sweep job's.
+        output_dir, job = node_output_dir(output_dir, os.environ), None
     try:
         spec = preflight(cfg, output_dir)
     except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too

@@ -1,7 +1,8 @@
 """The worker under an external launcher: `torchrun --nproc_per_node 4 -m launcher.torchrun layer=swa tp=4`.
 
 torchrun (or any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT) starts the processes; each composes the same config from its command line, runs
+MASTER_PORT) starts the processes; under `srun --ntasks-per-node=4` they come from the Slurm
+step (`launcher.config.slurm`); each composes the same config from its command line, runs
 the same preflight checks and the same per-rank worker. Rank 0 prints the report and writes
 result.json; every rank exits with rank 0's verdict code (0 PASS, 1 FAIL), a rank other than
 0 only once rank 0 has reported (torchrun stops every worker when one exits non-zero).
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_module
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
+from launcher.config.slurm import node_keys, rank_env, slurm_step
 from launcher.config.spec import RunSpec, config_case
 from launcher.report.console import render
 from launcher.report.result import EXIT_ERROR, build_result, exit_code, not_launched
@@ -36,7 +38,7 @@ from layers.contract.config import ConfigError
 
 
 def output_dir_of(environ=os.environ) -> str:
-    run_id = environ.get("TORCHELASTIC_RUN_ID", "external")
+    run_id = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or "external"
     return os.path.abspath(environ.get("DSV4_OUTPUT_DIR", os.path.join("outputs", f"torchrun-{run_id}")))
 
 
@@ -46,6 +48,15 @@ def main(argv: list[str]) -> int:
     errors.initialize()
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="config", overrides=argv)
+    step = slurm_step(os.environ)
+    if step is not None and "RANK" not in os.environ:
+        # Under srun, one task per rank: the task's place in the step is its rank.
+        try:
+            keys = node_keys(cfg, step, task_is_rank=True)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+        os.environ.update(rank_env(step, keys["master_addr"], keys["master_port"]))
     output_dir = output_dir_of()
     try:
         spec = preflight(cfg, output_dir)

@@ -22,6 +22,7 @@ from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, SCHEMA_VERS
 from launcher.report.sweep import junit_tree
 from launcher.run import devices
 from launcher.run.preflight import preflight
+from launcher.sweep import planned
 from launcher.store import snapshot
 from layers import tp
 
@@ -153,18 +154,11 @@ def test_a_nan_job_row_agrees_with_its_detail(tmp_path):
     assert "NaN=8192" in junit.find("testsuite").findall("testcase")[1].find("failure").text
 
 
-# -- the named sweeps, expanded as Hydra's basic sweeper expands them ----------------------------
+# -- the named sweeps, expanded as `python -m launcher.sweep list` lists them ---------------------
 
 
 def _jobs(sweep: str) -> list[list[str]]:
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    with initialize_config_module(config_module="configs", version_base=None):
-        cfg = compose(config_name="config", overrides=[f"+sweep={sweep}"], return_hydra_config=True)
-    params = OmegaConf.to_container(cfg.hydra.sweeper.params)
-    overrides = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
-    return [job + [f"+sweep={sweep}"] for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    return planned([f"+sweep={sweep}"])
 
 
 def _cases(jobs: list[list[str]]) -> list[tuple]:

@@ -5,6 +5,7 @@ job's own tp and model:
 `${capacity:}` is the rank capacity decode_batch*decode_seq/tp and `${capacity:1}` one row
 block below it (a row block is lcm(8, decode_seq) tokens); `${row_block_below:}` is the
 second token count the reference runs (validation.md §5.3), the capacity itself at tp = 1;
+`${job_nodes:}` (for a Slurm launcher's `nodes`) is the job's nnodes, 1 when not given;
 `${mixed_starts:}` is a start position per request of the TP group (`start_pos`'s group form),
 drawn in turn from `mixed_pattern` so that every rank's requests start differently (swa.md P11).
 
@@ -83,6 +84,11 @@ def golden_cache_dir() -> str:
     return os.path.join(base, "dsv4-tp-harness", "golden")
 
 
+def job_nodes(*, _root_) -> int:
+    """The nodes a job spans (a Slurm launcher's `nodes`): `nnodes`, 1 when not given."""
+    return int(_root_.nnodes) if _root_.get("nnodes") is not None else 1
+
+
 def register_resolvers() -> None:
     """Make the resolvers known to OmegaConf (before any config is composed), with
     `${fresh_dir:BASE}` (`launcher.config.output_dirs`), resolved once per config."""
@@ -91,3 +97,4 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("row_block_below", row_block_below, replace=True)
     OmegaConf.register_new_resolver("mixed_starts", mixed_starts, replace=True)
     OmegaConf.register_new_resolver("golden_cache_dir", golden_cache_dir, replace=True)
+    OmegaConf.register_new_resolver("job_nodes", job_nodes, replace=True)

@@ -79,9 +79,9 @@ class RunSchema:
     golden_cache: Optional[str] = None
     golden_cache_max_gb: Optional[float] = 4.0  # the cache's size cap (LRU eviction); None = no cap
     fault: FaultSchema = field(default_factory=FaultSchema)
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    nnodes: Optional[int] = None  # null: 1, or the Slurm step's (launcher.config.slurm)
+    node_rank: Optional[int] = None
+    master_addr: Optional[str] = None
     master_port: Optional[int] = None
     nproc_per_node: Optional[int] = None
     scope: str = "full"

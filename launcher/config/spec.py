@@ -29,6 +29,7 @@ from layers.registry import get_scope, validated
 from launcher.config.faults import Fault
 from launcher.config.faults import check_unset as check_fault_unset
 from launcher.config.resolvers import row_block, tp_of
+from launcher.config.slurm import node_keys, slurm_step
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -298,7 +299,10 @@ def _absent_stages(cfg: DictConfig, golden: bool, bench: Optional[BenchSpec]) ->
 
 
 def _nodes(cfg: DictConfig, case, dp: int) -> dict:
-    nnodes, node_rank = int(cfg.nnodes), int(cfg.node_rank)
+    # Under srun the step's own nodes fill the keys not given (launcher.config.slurm); a task
+    # that already has a RANK is one rank of an external launcher (launcher.torchrun).
+    keys = node_keys(cfg, slurm_step(os.environ), task_is_rank="RANK" in os.environ)
+    nnodes, node_rank = int(keys["nnodes"]), int(keys["node_rank"])
     size, key = case.group_size, _size_key(case)
     world = dp * size
     if nnodes < 1:
@@ -312,10 +316,10 @@ def _nodes(cfg: DictConfig, case, dp: int) -> dict:
             f"nproc_per_node={cfg.nproc_per_node if cfg.nproc_per_node is not None else 'world/nnodes'} x "
             f"nnodes={nnodes} must equal {ranks} (one rank per device on every node)"
         )
-    port = cfg.master_port if cfg.master_port is not None else (0 if nnodes == 1 else 29500)
+    port = keys["master_port"] if keys["master_port"] is not None else (0 if nnodes == 1 else 29500)
     if not 0 <= int(port) < 65536 or (nnodes > 1 and int(port) == 0):
         raise ConfigError(f"master_port={port} must be a TCP port in [1, 65535] for a multi-node run")
-    return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": str(cfg.master_addr),
+    return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": str(keys["master_addr"]),
             "master_port": int(port), "nproc_per_node": nproc}
 
 

@@ -35,6 +35,7 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.config.slurm import node_output_dir
 from launcher.report import progress
 from launcher.report.console import case_columns, fmt, starts_text, table_lines
 from launcher.report.result import (
@@ -215,9 +216,15 @@ def planned_jobs(config: DictConfig) -> list[list[str]] | None:
     sweeper, whose jobs are not known in advance."""
     if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         return None
-    params = config.hydra.sweeper.get("params") or {}
+    return expand_jobs(config.hydra.sweeper.get("params") or {},
+                       list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False)))
+
+
+def expand_jobs(params, overrides: list[str]) -> list[list[str]]:
+    """The basic sweeper's jobs from a sweep file's `hydra.sweeper.params` and the command
+    line's task overrides (see `planned_jobs`)."""
     args = [f"{k}={v}" for k, v in params.items()]
-    args += list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+    args += list(overrides)
     choices: dict[str, list[str]] = {}
     for o in OverridesParser.create().parse_overrides(args):
         key = o.get_key_element()
@@ -345,7 +352,7 @@ class SweepSummary(Callback):
         progress.composition_done()
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        path = os.path.join(str(config.hydra.runtime.output_dir), "result.json")
+        path = os.path.join(node_output_dir(str(config.hydra.runtime.output_dir), os.environ), "result.json")
         try:
             with open(path) as f:
                 result = json.load(f)
@@ -374,7 +381,7 @@ class SweepSummary(Callback):
         sweep = progress.SWEEP
         if sweep is None:
             return
-        output_dir = str(config.hydra.runtime.output_dir)
+        output_dir = node_output_dir(str(config.hydra.runtime.output_dir), os.environ)
         try:
             with open(os.path.join(output_dir, "result.json")) as f:
                 result = json.load(f)

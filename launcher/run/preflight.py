@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 from hydra.utils import get_object
 from omegaconf import DictConfig
@@ -30,7 +31,8 @@ def preflight(cfg: DictConfig, output_dir: str) -> RunSpec:
         snapshot.check(spec.golden_data, spec.layer.tensor_specs(spec.case), spec.case.group_size)
     backend = devices.resolve_backend(spec.backend)
     devices.check_devices(backend, spec.local_ranks)
-    if spec.nnodes > 1 and spec.node_rank == 0:
+    # A rank of an external launcher (RANK set) finds the port held by that launcher's store.
+    if spec.nnodes > 1 and spec.node_rank == 0 and "RANK" not in os.environ:
         devices.check_port_free(spec.master_addr, spec.master_port)
     elif spec.nnodes > 1:
         devices.wait_for_node0(spec.master_addr, spec.master_port, spec.timeout_s)

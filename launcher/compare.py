@@ -1,0 +1,65 @@
+"""`python -m launcher.compare BASELINE CANDIDATE`: regression tracking between two runs or sweeps.
+
+Each argument is a run folder (with result.json) or a sweep folder (with summary.json or
+sweep.json). Jobs are matched by case, whatever implementation ran them, and compared:
+verdicts, each tensor's max |diff|, benchmark medians (`launcher.report.compare`).
+
+Exit status: 0 no regression, 1 a regression, 2 a folder that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from launcher.report.compare import CompareError, Thresholds, compare, load, render
+
+EXIT_SAME, EXIT_REGRESSED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = Thresholds()
+    p = argparse.ArgumentParser(prog="python -m launcher.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("baseline", help="run folder or sweep folder of the baseline")
+    p.add_argument("candidate", help="run folder or sweep folder of the candidate")
+    p.add_argument("--error-factor", type=float, default=defaults.error_factor,
+                   help="a tensor's max |diff| may grow by this factor (default %(default)s)")
+    p.add_argument("--error-floor", type=float, default=defaults.error_floor,
+                   help="errors below this count as it (default %(default)s)")
+    p.add_argument("--slower", type=float, default=defaults.slower,
+                   help="a benchmark median may be this fraction slower (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON (for CI)")
+    return p
+
+
+def _finite(value):
+    """JSON without NaN (which strict parsers refuse): a non-finite error is the string 'nan'."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.error_factor < 1 or args.error_floor < 0 or args.slower < 0:
+        print("error: --error-factor must be >= 1, --error-floor and --slower >= 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    thresholds = Thresholds(error_factor=args.error_factor, error_floor=args.error_floor, slower=args.slower)
+    try:
+        report = compare(load(args.baseline), load(args.candidate), thresholds)
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    report.update(baseline=args.baseline, candidate=args.candidate)
+    print(json.dumps(_finite(report), indent=1) if args.json else render(report))
+    return EXIT_REGRESSED if report["regressed"] else EXIT_SAME
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,168 @@
+"""Sweep housekeeping: list a sweep's jobs without running them; rerun an earlier sweep's jobs
+that did not pass.
+
+    python -m launcher.sweep list +sweep=smoke                 # the jobs `-m +sweep=smoke` would run
+    python -m launcher.sweep list layer=swa,csa tp=1,2,4 model=tiny
+    python -m launcher.sweep rerun multirun/2026-12-03/10-00-00 [--list] [--into DIR] [OVERRIDES...]
+
+`list` expands the multirun as Hydra's basic sweeper does (a sweep file's params, then the
+command line) and checks each job as the launcher's preflight would, starting nothing; exit 2
+when a job would be refused. `rerun` runs the jobs whose verdict was FAIL, ERROR or SKIP one
+after another (`python -m launcher JOB'S OVERRIDES OVERRIDES...`) into a sweep folder of its
+own (`DIR`, default `<sweep dir>/rerun-<date>-<time>`), which gets its summary.json, junit.xml
+and table as any sweep does; exit status the worst rerun job's. `--list` names them only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hydra import compose, initialize_config_module
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf.errors import OmegaConfBaseException
+
+from layers.contract.config import ConfigError
+
+from launcher.report.console import table_lines
+from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
+from launcher.report.sweep import SWEEP_FILE, collect_rows, expand_jobs, job_entry, write_summary
+from launcher.run.preflight import preflight
+
+PASSED = ("PASS", "UNCHECKED")
+
+
+def _is_hydra(override: str) -> bool:
+    return override.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))
+
+
+def _compose(overrides: list[str], hydra_config: bool = False):
+    with initialize_config_module(config_module="configs", version_base=None):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_config)
+
+
+def planned(args: list[str]) -> list[list[str]]:
+    """The jobs `python -m launcher -m ARGS` runs, each as its task overrides."""
+    task = [a for a in args if not _is_hydra(a)]
+    parsed = OverridesParser.create().parse_overrides(task)
+    # The sweep file's params come with the config: compose it with each swept key's first value.
+    first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else a
+             for o, a in zip(parsed, task)]
+    cfg = _compose(first + [a for a in args if _is_hydra(a)], hydra_config=True)
+    return expand_jobs(cfg.hydra.sweeper.get("params") or {}, task)
+
+
+def _check(overrides: list[str]) -> tuple[str, str]:
+    """A job's case as the preflight reads it, or why it would be refused."""
+    try:
+        spec = preflight(_compose(overrides), output_dir=os.devnull)
+    except (ConfigError, OmegaConfBaseException, Exception) as e:  # Hydra's refusals are plain exceptions
+        return "refused", " ".join(str(e).split())
+    c = spec.case
+    size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
+    dp = f" dp={spec.dp}" if spec.dp > 1 else ""
+    return "ok", f"{c.layer} {c.scope} {c.model.name} {size}{dp}"
+
+
+def list_jobs(args: list[str]) -> int:
+    jobs = planned(args)
+    checks = [_check(overrides) for overrides in jobs]
+    cells = [["job", "check", "case", "overrides"]]
+    cells += [[str(num), status, text if status == "ok" else "-", " ".join(overrides)]
+              for num, (overrides, (status, text)) in enumerate(zip(jobs, checks))]
+    print("\n".join(table_lines(cells)))
+    refused = [(num, text) for num, (status, text) in enumerate(checks) if status == "refused"]
+    for num, text in refused:
+        print(f"job {num} refused: {text}")
+    print(f"sweep: {len(jobs)} jobs, {len(refused)} would be refused")
+    return EXIT_ERROR if refused else EXIT_PASS
+
+
+def _with_extra(overrides: list[str], extra: list[str]) -> list[str]:
+    """A job's task overrides with `extra` added; a key given in both takes extra's value."""
+    parser = OverridesParser.create()
+    replaced = {o.get_key_element() for o in parser.parse_overrides(extra)}
+    kept = [a for a, o in zip(overrides, parser.parse_overrides(overrides))
+            if not _is_hydra(a) and o.get_key_element() not in replaced]
+    return kept + extra
+
+
+def earlier_rows(sweep_dir: str) -> list[dict]:
+    """The jobs of an earlier sweep and their verdicts: its summary.json, else its jobs' files."""
+    try:
+        with open(os.path.join(sweep_dir, "summary.json")) as f:
+            return json.load(f)["jobs"]
+    except (OSError, ValueError, KeyError):
+        return collect_rows(sweep_dir)
+
+
+def rerun(sweep_dir: str, into: str | None, extra: list[str], only_list: bool) -> int:
+    if not os.path.isdir(sweep_dir) or not any(
+            os.path.isfile(os.path.join(sweep_dir, f)) for f in ("summary.json", SWEEP_FILE)):
+        print(f"error: {sweep_dir} is not a sweep folder (it has no summary.json or {SWEEP_FILE})", file=sys.stderr)
+        return EXIT_ERROR
+    todo = [r for r in earlier_rows(sweep_dir) if r["verdict"] not in PASSED]
+    for r in todo:
+        print(f"job {r['job']} {r['verdict']}: {' '.join(r['overrides'])}")
+    if only_list or not todo:
+        print(f"rerun: {len(todo)} jobs of {sweep_dir} did not pass")
+        return EXIT_PASS
+    into = os.path.abspath(into or os.path.join(sweep_dir, time.strftime("rerun-%Y%m%d-%H%M%S")))
+    jobs = [_with_extra(r["overrides"], extra) for r in todo]
+    os.makedirs(into, exist_ok=True)
+    record = {"id": os.urandom(16).hex(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "jobs": jobs,
+              "rerun_of": {"sweep_dir": os.path.abspath(sweep_dir), "jobs": [r["job"] for r in todo]}}
+    with open(os.path.join(into, SWEEP_FILE), "w") as f:
+        json.dump(record, f, indent=1)
+    for num, overrides in enumerate(jobs):
+        print(f"[{num + 1}/{len(jobs)}] rerun of job {todo[num]['job']}: {' '.join(overrides)}", file=sys.stderr)
+        job_dir = os.path.join(into, str(num))
+        try:
+            code = subprocess.run([sys.executable, "-m", "launcher", *overrides, f"hydra.run.dir={job_dir}"]).returncode
+        except KeyboardInterrupt:
+            code = 128 + signal.SIGINT
+        _adopt(job_dir, job_entry(into, num, overrides))
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            write_summary(into, interrupted=True)
+            return code
+    return write_summary(into)
+
+
+def _adopt(job_dir: str, job: dict) -> None:
+    """Make a run's result.json one job of the rerun's sweep (a run that left none stays an
+    ERROR row of the summary)."""
+    try:
+        with open(os.path.join(job_dir, "result.json")) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return
+    write_result(job_dir, result, job)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m launcher.sweep", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="the jobs a multirun with these overrides would run, checked, none run")
+    ls.add_argument("overrides", nargs="*")
+    rr = sub.add_parser("rerun", help="rerun the jobs of an earlier sweep that did not pass")
+    rr.add_argument("sweep_dir")
+    rr.add_argument("overrides", nargs="*", help="added to every rerun job's overrides")
+    rr.add_argument("--into", help="the rerun's sweep folder (default: <sweep dir>/rerun-<date>-<time>)")
+    rr.add_argument("--list", action="store_true", help="name the jobs that did not pass, run nothing")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "list":
+            return list_jobs(args.overrides)
+        return rerun(args.sweep_dir, args.into, args.overrides, args.list)
+    except (ConfigError, OmegaConfBaseException) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
