@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "external")
     output_dir = os.path.abspath(os.environ.get("DSV4_OUTPUT_DIR", os.path.join("outputs", f"torchrun-{run_id}")))
     try:
-        spec = preflight(cfg, output_dir)
+        spec = preflight(cfg, output_dir, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR

@@ -41,7 +41,7 @@ def validated(case: Case) -> Layer:
     """The layer (or scope) of `case` once the case passed every check: the TP-level rules all
     layers share (`Case.validate`), then the layer's own. The one validation of a case."""
     layer = get_scope(case.layer, case.scope)
-    case.validate()
+    case.validate(layer.whole_requests)
     layer.validate(case)
     return layer
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
 from layers.contract.config import PRESETS, ModelConfig
 
@@ -63,6 +63,7 @@ class RunSchema:
     report: ReportSchema = field(default_factory=ReportSchema)
     golden_data: Optional[str] = None
     save_data: Optional[str] = None
+    save_overwrite: bool = False
     recompute_golden: bool = False
     golden_cache: Optional[str] = None
     fault: FaultSchema = field(default_factory=FaultSchema)
@@ -73,6 +74,9 @@ class RunSchema:
     nproc_per_node: Optional[int] = None
     scope: str = "full"
     bisect: bool = False
+    # Open to any key (`tolerance.x_out.diff_thd=4e-3` needs no `+`); launcher.config.tolerance
+    # checks the names against the layers' checks instead.
+    tolerance: Any = field(default_factory=lambda: DictConfig({}, flags={"struct": False}))
 
 
 def register() -> None:

@@ -10,6 +10,7 @@ failing tensor's comparator account, where its errors are (the grids of
 from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.tolerance import fails_the_run
 from launcher.verify.bisect import render as render_bisect
 
 
@@ -28,12 +29,26 @@ def table_lines(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def snapshot_line(snapshot: dict, case: dict) -> str:
+    """The case a replay read from its snapshot, and which keys it read there."""
+    read = snapshot["read"]
+    shown = " ".join(f"{k}={case.get(k)}" for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed"))
+    model = snapshot.get("model") or {}
+    dims = ""
+    if model.get("name") == "snapshot":  # no preset has its dims: the dims it fixes
+        dims = " (" + ", ".join(f"{n}={f['value']}" for n, f in model["fields"].items()) + ")"
+    return (f"snapshot {snapshot['directory']}: {shown}{dims}; read from the snapshot: "
+            f"{', '.join(read) if read else 'nothing'}")
+
+
 def render(result: dict) -> str:
     c = result["case"]
     lines = [
         f"dsv4-tp-harness  layer={c['layer']} scope={c.get('scope', 'full')} model={c['model']} tp={c['tp']} local_t={c['local_t']} "
         f"seed={c['seed']} start_pos={c['start_pos']} backend={c['backend']} impl={c['impl']}"
     ]
+    if result.get("snapshot"):
+        lines.append(snapshot_line(result["snapshot"], c))
     if result["status"] in ("config-error", "skipped"):  # no rank ran
         word = "error" if result["status"] == "config-error" else "SKIPPED"
         lines.append(f"{word}: {result['error']['message']}")
@@ -68,6 +83,9 @@ def render(result: dict) -> str:
     peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
     lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
     lines.append(_reference_line(result))
+    tolerance = tolerance_line(result.get("tolerance"))
+    if tolerance:
+        lines.append(tolerance)
     lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
@@ -75,9 +93,40 @@ def render(result: dict) -> str:
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
     verdict = "PASS" if result["passed"] else "FAIL"
-    failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]})
-    lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + f" ({result['wall_s']:.1f}s)")
+    verdicts = result["verdicts"] + result.get("recomputed_verdicts", [])
+    failed = sorted({v["tensor"] for v in verdicts if fails_the_run(v)})
+    diagnostic = sorted({v["tensor"] for v in verdicts if v.get("diagnostic") and not v["passed"]})
+    shown = f" (diagnostic, not counted: {', '.join(diagnostic)} FAIL)" if diagnostic else ""
+    lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + shown + f" ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
+
+
+def tolerance_line(tolerance: dict | None) -> str | None:
+    """What the tolerance config changed, or None when it changed nothing."""
+    if not tolerance:
+        return None
+    parts = []
+    if tolerance["profile"] not in (None, "default"):
+        parts.append(f"profile {tolerance['profile']}")
+    for tensor, changed in tolerance["overridden"].items():
+        parts.append(f"{tensor} " + ", ".join(f"{p}={c['value']} (default {c['default']})" for p, c in changed.items()))
+    if tolerance["diagnostic"]:
+        parts.append(f"diagnostic (never fail the run): {', '.join(tolerance['diagnostic'])}")
+    if tolerance["not_applied"]:
+        parts.append(f"not compared here, not applied: {', '.join(tolerance['not_applied'])}")
+    return "tolerance: " + "; ".join(parts) if parts else None
+
+
+def comparator_text(verdict: dict) -> str:
+    """A verdict's effective comparator, its parameters that the tolerance config set marked."""
+    changed = verdict.get("overridden") or {}
+    marks = ", ".join(f"{p} {c['default']}->{c['value']}" for p, c in changed.items())
+    return verdict["label"] + (f" [set: {marks}]" if marks else "")
+
+
+def _verdict_word(verdict: dict) -> str:
+    word = "PASS" if verdict["passed"] else "FAIL"
+    return f"{word} (diagnostic)" if verdict.get("diagnostic") else word
 
 
 def _reference_line(result: dict) -> str:
@@ -94,13 +143,15 @@ def _verdict_lines(verdicts: list[dict]) -> list[str]:
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
     for v in verdicts:
         f = v.get("figures", {})
-        rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")), v["label"]])
+        rows.append([v["tensor"], "all", _verdict_word(v), _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")),
+                     comparator_text(v)])
         for pr in v.get("per_rank", []):
             rows.append(["", str(pr["rank"]), "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
     lines = table_lines(rows)
     for v in verdicts:
         if not v["passed"]:
-            lines.append(f"{v['tensor']} FAIL ({v['label']})")
+            diagnostic = ", diagnostic: never fails the run" if v.get("diagnostic") else ""
+            lines.append(f"{v['tensor']} FAIL{diagnostic} ({comparator_text(v)})")
             lines += v["detail"].splitlines()
             lines += where_lines(v)
     return lines

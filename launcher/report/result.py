@@ -65,6 +65,9 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
         "wall_s": round(wall_s, 3),
         "log_dir": log_dir,
     }
+    if spec.snapshot:
+        result["snapshot"] = spec.snapshot
+    result["tolerance"] = spec.tolerances.entry(spec.layer.checks(spec.case))
     if error is not None:
         result.update(status="error", passed=False, error=error)
         return result

@@ -30,8 +30,9 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
-from launcher.report.console import fmt, table_lines
+from launcher.report.console import comparator_text, fmt, table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 
 # A job's verdict by its result status; an "ok" run is PASS or FAIL by its comparisons.
@@ -46,10 +47,10 @@ EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP":
 
 
 def _worst(verdicts: list[dict]) -> dict | None:
-    """The verdict to name in a summary: a failing one first, then the largest max |diff|, then
-    the latest in validation order (x_out, the layer's output, comes last)."""
+    """The verdict to name in a summary: one that fails the run first, then the largest max
+    |diff|, then the latest in validation order (x_out, the layer's output, comes last)."""
     def key(v):
-        return (not v["passed"], v.get("figures", {}).get("max_abs_diff") or 0.0)
+        return (fails_the_run(v), v.get("figures", {}).get("max_abs_diff") or 0.0)
 
     return max(reversed(verdicts), key=key, default=None)
 
@@ -66,8 +67,13 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
-    failed = [v for v in verdicts if not v["passed"]]
+    failed = [v for v in verdicts if fails_the_run(v)]
     row["failed_tensors"] = sorted({v["tensor"] for v in failed})
+    # Every check's effective comparator; `overridden`: what the tolerance config set.
+    row["checks"] = [{"tensor": v["tensor"], "comparator": v["label"], "passed": v["passed"],
+                      "diagnostic": bool(v.get("diagnostic")), "overridden": v.get("overridden") or {}}
+                     for v in result.get("verdicts", [])]
+    row["tolerance_profile"] = (result.get("tolerance") or {}).get("profile")
     worst = _worst(verdicts)
     figures = worst.get("figures", {}) if worst else {}
     row.update(
@@ -88,8 +94,8 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         row["message"] = f"{where}{stage}{e['message']}"
         row["traceback"] = e.get("traceback", "")
     else:
-        row["message"] = "; ".join(f"{v['tensor']} FAIL ({v['label']})" for v in failed)
-        row["details"] = [f"{v['tensor']} FAIL ({v['label']})\n{v['detail']}" for v in failed]
+        row["message"] = "; ".join(f"{v['tensor']} FAIL ({comparator_text(v)})" for v in failed)
+        row["details"] = [f"{v['tensor']} FAIL ({comparator_text(v)})\n{v['detail']}" for v in failed]
     return row
 
 
@@ -141,6 +147,7 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
             "classname": f"{suite}.{r.get('layer') or 'unknown'}.{r.get('scope') or 'full'}", "name": _xml_text(name.strip()),
             "time": f"{r.get('wall_s') or 0.0:.3f}",
         })
+        _check_properties(tc, r)
         if r["verdict"] == "FAIL":
             el = ET.SubElement(tc, "failure", {"message": _xml_text(r["message"]), "type": "FAIL"})
             el.text = _xml_text("\n\n".join(r.get("details", [])))
@@ -153,6 +160,19 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
         out.text = f"output_dir: {r['output_dir']}"
     ET.indent(root)
     return ET.ElementTree(root)
+
+
+def _check_properties(testcase: ET.Element, row: dict) -> None:
+    """The effective comparator of every check (its tolerance-set parameters marked) and the
+    tolerance profile, as testcase properties."""
+    if not row.get("checks"):
+        return
+    props = ET.SubElement(testcase, "properties")
+    ET.SubElement(props, "property", {"name": "tolerance_profile", "value": str(row.get("tolerance_profile"))})
+    for c in row["checks"]:
+        value = comparator_text({"label": c["comparator"], "overridden": c["overridden"]})
+        verdict = ("PASS" if c["passed"] else "FAIL") + (" (diagnostic)" if c["diagnostic"] else "")
+        ET.SubElement(props, "property", {"name": f"check.{c['tensor']}", "value": _xml_text(f"{verdict} {value}")})
 
 
 # -- the sweep's own record: which jobs it planned, which results belong to it ----------------

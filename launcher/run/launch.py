@@ -30,7 +30,8 @@ from launcher.run.worker import progress_path, rank_main
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause.
 _CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|timed out|Timed out|"
-                       r"DistBackendError|NCCL communicator was aborted|heartbeat", re.IGNORECASE)
+                       r"DistBackendError|NCCL communicator was aborted|heartbeat|the golden failed on rank",
+                       re.IGNORECASE)
 
 
 @dataclass

@@ -11,6 +11,7 @@ weights, spec validation.md §5.3) is computed on that rank, in parallel with th
 clones taken before the implementation runs, with the same thread count: the per-rank front of
 the layer is then bit-identical between golden and implementation, and only the output half
 differs by fp32 summation order. Rank 0 gathers actual and golden outputs and compares.
+A golden that fails on any rank stops every rank before the implementation runs.
 With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
 slice); `recompute_golden` adds the computed golden as a second reference.
 Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return the
@@ -46,6 +47,7 @@ from layers.distributed import wire
 from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
+from launcher.config.tolerance import fails_the_run
 from launcher.run import devices, faults, forkserver
 from launcher.store import golden_cache, snapshot
 from launcher.verify import bisect, where
@@ -181,17 +183,20 @@ def cached_golden(spec: RunSpec, layer, inputs, rank: int, wo_full=None) -> tupl
 
 
 def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> list[dict]:
-    """Every check of the layer, in its validation order, on the stacked [tp, ...] tensors."""
+    """Every check of the layer, in its validation order, on the stacked [tp, ...] tensors, with
+    the run's tolerances (a diagnostic check is judged and reported, and never fails the run)."""
     case = spec.case
     inputs = dict(context)  # slot mappings and, under initial_key(name), the pre-step pools
     inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
     verdicts = []
-    for check in layer.checks(case):
+    for default in layer.checks(case):
+        check, overridden = spec.tolerances.apply(default)
         cmp = build_comparator(check, mapping_shape=(case.tp, case.local_t), leading_rank_axis=True)
         v = cmp.evaluate(
             actual[check.output], golden[check.output], inputs=inputs, actual_outputs=actual, expected_outputs=golden
         )
-        verdict = {"tensor": check.output, **v.to_dict()}
+        verdict = {"tensor": check.output, **v.to_dict(), "diagnostic": check.output in spec.tolerances.diagnostic,
+                   "overridden": overridden}
         if not v.passed:  # where the errors are: per rank x row block / head group / page
             verdict["where"] = where.error_maps(
                 check.output, check, actual[check.output], golden[check.output], inputs, seq=case.seq
@@ -231,6 +236,24 @@ def rank_main(spec: RunSpec):
     # peer that sees the closed connection could be reported first.
     dist.destroy_process_group()
     return result
+
+
+class ReferenceFailed(RuntimeError):
+    """A peer's golden (or its snapshot's reference) failed: this rank stops before the
+    implementation runs."""
+
+
+def stop_unless_every_reference_was_made(failure: Exception | None, rank: int, tp: int) -> None:
+    """A golden that fails stops the run before any rank runs the implementation (the reference
+    runner's rule, validation.md §3 step 3): the ranks agree first. The failing rank raises its
+    own error, every other rank a `ReferenceFailed` naming it."""
+    failed = [None] * tp
+    dist.all_gather_object(failed, failure is not None)
+    if failure is not None:
+        raise failure
+    if any(failed):
+        ranks = [r for r, f in enumerate(failed) if f]
+        raise ReferenceFailed(f"rank {rank}: the golden failed on rank(s) {ranks}; no rank runs the implementation")
 
 
 class ConfigMismatch(RuntimeError):
@@ -284,15 +307,20 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
-    with timer.stage("golden"):
-        references, cache_status = {}, None
-        if spec.golden_data:
-            references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
-        if not spec.golden_data or spec.recompute_golden:
-            references["golden"], cache_status = cached_golden(spec, layer, inputs, rank, wo_full)
-        del wo_full
-        context = {n: inputs[n].clone() for n in mappings}
-        context.update({initial_key(n): inputs[n].clone() for n in inout})
+    failure = None
+    try:
+        with timer.stage("golden"):
+            references, cache_status = {}, None
+            if spec.golden_data:
+                references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
+            if not spec.golden_data or spec.recompute_golden:
+                references["golden"], cache_status = cached_golden(spec, layer, inputs, rank, wo_full)
+            del wo_full
+            context = {n: inputs[n].clone() for n in mappings}
+            context.update({initial_key(n): inputs[n].clone() for n in inout})
+    except Exception as e:  # raised once every rank has heard of it
+        failure = e
+    stop_unless_every_reference_was_made(failure, rank, tp)
     if spec.save_data:
         with timer.stage("save"):
             stacked_in = gather_to_rank0(inputs, in_names, rank, tp, device)
@@ -320,7 +348,7 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
         with timer.stage("compare"):
             comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
     # Every rank learns the verdict, so every node exits with rank 0's verdict code.
-    verdict = [all(v["passed"] for vs in comparisons.values() for v in vs) if rank == 0 else None]
+    verdict = [not any(fails_the_run(v) for vs in comparisons.values() for v in vs) if rank == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
     located = None
     if spec.bisect and not verdict[0]:
