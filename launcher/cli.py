@@ -68,7 +68,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
     if spec.snapshot:
         print(console.snapshot_line(spec.snapshot, spec.case_entry()), flush=True)
     c = spec.case
-    label = f"{c.layer} {c.model.name} tp={c.tp} local_t={c.local_t}"
+    size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
+    label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
     result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         return EXIT_ERROR
     rank_result = rank_main(spec)
     result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=0.0)
-    if rank_result.get("comparisons") is not None:  # the comparing rank reports for the run
+    if rank_result.get("reporting"):  # the comparing rank reports for the run
         write_result(output_dir, result)
         print(render(result))
     return exit_code(result)

@@ -3,9 +3,10 @@
 Owns the layer's tensor inventory (§2, one rank), its stages in the spec's order (§3) —
 hc_pre, gate, shared_expert, dispatch (count exchange + int8 all-to-all-v), routed_experts,
 combine (all-to-all-v with swapped splits), reduce, hc_post — each a small function
-`stage(ctx, values) -> {written tensors}` over the spec's tensor names with the tensors it
-reads and writes declared in `STAGES`; the EP forward of one rank (`moe_forward`, the stages
-in order); and the golden of §4, which never runs the collectives under test.
+`stage(ctx, values) -> {written tensors}` over the spec's tensor names, listed with what it
+reads and writes as the layer's stage list (`MoELayer.stages`); the EP forward of one rank
+(`moe_forward`, the stages in order); and the golden of §4, which never runs the collectives
+under test. `MoELayer` is the layer as the launcher runs it (`layer=moe ep=P`).
 
 The forward calls the math and the collectives through their module attributes (tests inject
 defects by monkeypatching them); the golden holds its own references, taken at import.
@@ -42,7 +43,6 @@ bits and keeps every weight on one rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -50,10 +50,14 @@ from .components import hc
 from .components import moe as moe_math
 from .components import moe_routing as routing
 from .contract.case import MoECase
-from .contract.checks import RelDiffCheck
+from .contract.checks import AllcloseCheck, RelDiffCheck
+from .contract.config import ConfigError
 from .contract.context import RankContext
+from .contract.stage import Stage
 from .contract.tensors import Kind, TensorSpec
 from .distributed import ep, wire
+from .fixtures import moe as fixture
+from .staged import StagedLayer, bf16_close, exact, fp32_close, judged, run_stages
 
 Values = Mapping[str, torch.Tensor]
 # A source rank's own inputs (x_hc, input_ids) by rank: a fixture's keyed draw or a snapshot slice.
@@ -96,10 +100,14 @@ def tensor_specs(case: MoECase) -> dict[str, TensorSpec]:
     }
 
 
-def checks(case: MoECase) -> tuple[RelDiffCheck, ...]:
+def checks_of(model) -> tuple[RelDiffCheck, ...]:
     """§8: x_next alone, `ratio_reldiff(3e-3, 0.05)` over all T rows of every rank (no mask:
     an inactive token's x_next is its residual mix) with one pooled budget, no single-point cap."""
     return (RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf")),)
+
+
+def checks(case: MoECase) -> tuple[RelDiffCheck, ...]:
+    return checks_of(case.model)
 
 
 # -- the stages (§3), in order ---------------------------------------------------------------------
@@ -158,35 +166,27 @@ def hc_post(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
     return {"x_next": hc.hc_post(v["ffn_out"], v["x_hc"], v["post"], v["comb"])}
 
 
-@dataclass(frozen=True)
-class MoEStage:
-    name: str
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
-    run: Callable[[RankContext, Values], dict[str, torch.Tensor]]
-    collective: bool = False  # moves data between ranks (its golden is a replay, never a collective)
-
-
-STAGES: tuple[MoEStage, ...] = (
-    MoEStage("hc_pre", ("x_hc", "hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base"), ("x_mixed", "post", "comb"), hc_pre),
-    MoEStage("gate", ("x_mixed", "norm_w", "gate_w", "gate_bias", "tid2eid", "input_ids", "layer_id", "num_tokens"),
-             ("x_norm_i8", "x_norm_scale", "indices", "weights"), gate),
-    MoEStage("shared_expert", ("x_norm_i8", "x_norm_scale", *SHARED), ("sh",), shared_expert),
-    MoEStage("dispatch", ("x_norm_i8", "x_norm_scale", "indices", "weights", "num_tokens"),
-             ("send_meta", "send_route", "recv_meta", "recv_x", "recv_aux", "recv_route"), dispatch, collective=True),
-    MoEStage("routed_experts", ("recv_meta", "recv_x", "recv_aux", *ROUTED), ("recv_y",), routed_experts),
-    MoEStage("combine", ("recv_y", "recv_meta", "send_meta", "send_route"), ("routed_y_buf",), combine, collective=True),
-    MoEStage("reduce", ("sh", "routed_y_buf", "num_tokens"), ("ffn_out",), reduce),
-    MoEStage("hc_post", ("ffn_out", "x_hc", "post", "comb"), ("x_next",), hc_post),
-)  # fmt: skip
-
-
-def run_stages(ctx: RankContext, tensors: Values) -> dict[str, torch.Tensor]:
-    """The stages in order on one rank: the rank's tensors plus every stage's outputs."""
-    values = dict(tensors)
-    for stage in STAGES:
-        values.update(stage.run(ctx, values))
-    return values
+def _stages(model) -> tuple[Stage, ...]:
+    """The stages of §3 in order, each output judged as bisect would a stage of the attention
+    layers: codes and routing bitwise, bf16 results within 1–2 ulps, fp32 within 1e-4."""
+    x_next = checks_of(model)[0]
+    return (
+        Stage("hc_pre", ("x_hc", "hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base"),
+              (judged(bf16_close("x_mixed")), judged(fp32_close("post")), judged(fp32_close("comb"))), hc_pre),
+        Stage("gate", ("x_mixed", "norm_w", "gate_w", "gate_bias", "tid2eid", "input_ids", "layer_id", "num_tokens"),
+              (judged(AllcloseCheck("x_norm_i8", atol=1, rtol=0)), judged(fp32_close("x_norm_scale")),
+               judged(exact("indices")), judged(fp32_close("weights"))), gate),
+        Stage("shared_expert", ("x_norm_i8", "x_norm_scale", *SHARED), (judged(bf16_close("sh")),), shared_expert),
+        Stage("dispatch", ("x_norm_i8", "x_norm_scale", "indices", "weights", "num_tokens"),
+              tuple(judged(exact(n)) for n in ("send_meta", "send_route", "recv_meta", "recv_x", "recv_aux",
+                                                "recv_route")), dispatch, every_rank=("indices",)),
+        Stage("routed_experts", ("recv_meta", "recv_x", "recv_aux", *ROUTED), (judged(bf16_close("recv_y")),),
+              routed_experts),
+        Stage("combine", ("recv_y", "recv_meta", "send_meta", "send_route"), (judged(exact("routed_y_buf")),), combine,
+              every_rank=("recv_y",)),
+        Stage("reduce", ("sh", "routed_y_buf", "num_tokens"), (judged(bf16_close("ffn_out")),), reduce),
+        Stage("hc_post", ("ffn_out", "x_hc", "post", "comb"), (judged(fp32_close("x_next"), x_next),), hc_post),
+    )  # fmt: skip
 
 
 def moe_forward(ctx: RankContext, tensors: Values) -> dict[str, torch.Tensor]:
@@ -195,7 +195,7 @@ def moe_forward(ctx: RankContext, tensors: Values) -> dict[str, torch.Tensor]:
     At ep = 1 the collectives are identities and the result is the golden's bit for bit; at
     any ep it is too, as every rank batches its experts' rows in the golden's order.
     """
-    return {"x_next": run_stages(ctx, tensors)["x_next"]}
+    return {"x_next": run_stages(_stages(ctx.model), ctx, tensors)["x_next"]}
 
 
 # -- the golden (§4) ---------------------------------------------------------------------------
@@ -299,7 +299,57 @@ def gather_golden(ctx: RankContext, tensors: Values, sources: Sources, gates: Va
 
 
 __all__ = [
-    "tensor_specs", "checks", "STAGES", "MoEStage", "run_stages", "moe_forward",
+    "tensor_specs", "checks", "MoELayer", "LAYER", "moe_forward",
     "hc_pre", "gate", "shared_expert", "dispatch", "routed_experts", "combine", "reduce", "hc_post",
     "golden_gates", "golden_dispatch", "golden_recv_y", "golden_x_next", "golden_moe", "recv_rows", "gather_golden",
 ]  # fmt: skip
+
+
+class MoELayer(StagedLayer):
+    """The MoE layer for the launcher: its stages, its fixture slice, and a golden the group
+    computes together (every rank's routes reach every rank's experts, moe.md §13.4)."""
+
+    name = "moe"
+    sharded_o_weights = False
+    golden_per_rank = False
+
+    def stages(self, model) -> tuple[Stage, ...]:
+        return _stages(model)
+
+    def validate(self, case: MoECase) -> None:
+        """Every case that passes `MoECase.validate` runs."""
+
+    def tensor_specs(self, case: MoECase) -> dict[str, TensorSpec]:
+        return tensor_specs(case)
+
+    def rank_inputs(self, case: MoECase, rank: int) -> dict[str, torch.Tensor]:
+        specs = tensor_specs(case)
+        inputs = fixture.rank_inputs(case, rank)
+        return {n: inputs[n] for n, s in specs.items() if s.kind is not Kind.OUTPUT}
+
+    def full_o_weights(self, case):
+        raise ConfigError("the MoE layer has no O weights")
+
+    def checks(self, case: MoECase) -> tuple[RelDiffCheck, ...]:
+        return checks(case)
+
+    def golden(self, case, tensors):
+        raise NotImplementedError("the MoE golden needs every rank's routes: golden_of_group")
+
+    def golden_of_group(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The per-rank golden of the module docstring: every source's gates from every rank's
+        x_hc and input_ids (the harness's all-gather), this rank's experts' rows, rank 0's
+        assembly of every rank's x_next; each rank gets its own slice back."""
+        case, p = ctx.case, ctx.case.ep
+        every_x_hc = wire.all_gather(tensors["x_hc"], ctx.group, p)
+        every_ids = wire.all_gather(tensors["input_ids"], ctx.group, p)
+        sources = lambda s: {"x_hc": every_x_hc[s], "input_ids": every_ids[s]}  # noqa: E731
+        gates = golden_gates(case, tensors, sources)
+        recv_y = golden_recv_y(case, ctx.rank, gates, {w: tensors[w] for w in ROUTED}, int(tensors["num_tokens"]))
+        stacked = gather_golden(ctx, tensors, sources, gates, recv_y)
+        shape = (p, case.tokens, case.model.hc_mult, case.model.hidden_size)
+        every = wire.broadcast(stacked, shape, torch.float32, ctx.rank, p, ctx.group)
+        return {"x_next": every[ctx.rank].clone()}
+
+
+LAYER = MoELayer()

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 
-from . import csa, hca, swa
+from . import csa, hca, moe, swa
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.layer import Layer
 from .scopes import CollectivesScope, OutputScope, TP1Scope
 
-LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER)}
+LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER, moe.LAYER)}
+# The layers the focused scopes cut into: the attention layers (their TP output half).
+ATTENTION = ("swa", "csa", "hca")
 SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, "tp1": TP1Scope}
 
 
@@ -34,14 +36,21 @@ def get_scope(layer_name: str, scope: str = "full") -> Layer:
     if scope not in SCOPES:
         raise ConfigError(f"unknown scope {scope!r}; choose one of {', '.join(SCOPES)}")
     layer = get_layer(layer_name)
-    return layer if scope == "full" else SCOPES[scope](layer)
+    if scope == "full":
+        return layer
+    if layer_name not in ATTENTION:
+        raise ConfigError(f"scope={scope} is a part of an attention layer's TP step; layer={layer_name} runs scope=full")
+    return SCOPES[scope](layer)
 
 
 def validated(case: Case) -> Layer:
     """The layer (or scope) of `case` once the case passed every check: the TP-level rules all
     layers share (`Case.validate`), then the layer's own. The one validation of a case."""
     layer = get_scope(case.layer, case.scope)
-    case.validate(layer.whole_requests)
+    if isinstance(case, Case):
+        case.validate(layer.whole_requests)
+    else:  # the MoE case: its EP rules
+        case.validate()
     layer.validate(case)
     return layer
 

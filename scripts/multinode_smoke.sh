@@ -2,7 +2,8 @@
 # Smoke test of a new cluster: run the same command on every node, e.g. with two hosts:
 #   host A:  scripts/multinode_smoke.sh 2 0 HOST_A 29500
 #   host B:  scripts/multinode_smoke.sh 2 1 HOST_A 29500
-# Runs a fast tiny-dims check of every layer, then one flash-dims check, and prints a summary.
+# Runs a fast tiny-dims check of every layer, one with a TP group per node (dp = nnodes, each
+# group inside its node), then one flash-dims check, and prints a summary.
 # Extra arguments are passed to every run (e.g. backend=nccl tp=16 nproc_per_node=8).
 set -uo pipefail
 if [ $# -lt 4 ]; then
@@ -31,6 +32,7 @@ extra=("$@")
 for layer in swa csa hca; do
   check "tiny-$layer" layer=$layer model=tiny tp=$tp
 done
+check "tiny-dp" layer=swa model=tiny tp=2 dp="$nnodes"
 check "flash-swa" layer=swa model=flash tp=$tp local_t=64
 
 echo

@@ -12,6 +12,8 @@ import torch
 from layers import hca
 from layers.components import hca_compressor
 from layers.components.numerics import bf16
+from layers.components.moe_routing import block_transpose
+from layers.distributed import wire
 from layers.tp import TorchTP
 
 
@@ -162,3 +164,94 @@ class HcaWrongRopePosition(StageDefect):
             return hca_compressor.rope_compressed(y, torch.roll(cos, 1, 0), torch.roll(sin, 1, 0), model)
 
         return hca.compressor(ctx, v, rotate=rotate)
+
+
+# -- defects that only several TP groups in one launch (dp x tp) reveal -----------------------------
+class GroupSliceByGlobalRank(StageDefect):
+    """The all-to-all picks its output groups by the global rank (clamped into the group), not the
+    rank inside the TP group: right in group 0, wrong in every later one."""
+
+    stages = ("group_all_to_all",)
+
+    def defective(self, stage, ctx, v):
+        every = wire.all_gather(v["attention_grouped"], ctx.group, ctx.tp)  # [P, G, t, GI]
+        p, g, t, gi = every.shape
+        lg = g // p
+        rank = min(ctx.global_rank, p - 1)
+        return {"attention_local_groups": every[:, rank * lg : (rank + 1) * lg].permute(1, 0, 2, 3).reshape(lg, p * t, gi)}
+
+
+class ReduceOnTheWorldGroup(StageDefect):
+    """The reduce-scatter sums the partials of every rank of the world, not of the TP group."""
+
+    stages = ("reduce_scatter",)
+
+    def defective(self, stage, ctx, v):
+        import torch.distributed as dist
+
+        total = v["o_partial"].clone()
+        dist.all_reduce(total, group=dist.group.WORLD)
+        t = total.shape[0] // ctx.tp
+        return {"attn_out": bf16(total[ctx.rank * t : (ctx.rank + 1) * t])}
+
+
+class PerturbGroup1Rank1(TorchTP):
+    """Rank 1 of TP group 1 returns a slightly wrong x_out for its first request's tokens."""
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.group_index == 1 and ctx.rank == 1:
+            seq = ctx.case.seq
+            out["x_out"][:seq] = out["x_out"][:seq] * 1.5 + 0.25
+        return out
+
+
+# -- MoE defects (moe.md §10's pitfalls) ---------------------------------------------------------------
+class MoeRoutesToTheWrongRank(StageDefect):
+    """Every route goes to the next rank's expert of the same local id."""
+
+    stages = ("dispatch",)
+
+    def defective(self, stage, ctx, v):
+        experts = ctx.case.routed_experts
+        return stage.run(ctx, {**v, "indices": (v["indices"] + ctx.case.local_experts) % experts})
+
+
+class MoeCombineReusesDispatchSplits(StageDefect):
+    """The combine sends the routed rows back with the dispatch's splits, not the swapped ones
+    (buffers cut or padded to fit: sizes agree pairwise, rows land wrongly)."""
+
+    stages = ("combine",)
+
+    def defective(self, stage, ctx, v):
+        recv_y, recv_meta, send_meta, send_route = v["recv_y"], v["recv_meta"], v["send_meta"], v["send_route"]
+        back = recv_y[block_transpose(recv_meta.t())]
+        s, d = int(send_meta.sum()), recv_y.shape[1]
+
+        def fit(x):
+            return torch.cat((x[:s], x.new_zeros(max(0, s - x.shape[0]), d)))
+
+        rows = wire.all_to_all_v(fit(back), send_meta.sum(1).tolist(), recv_meta.sum(1).tolist(), ctx.group, ctx.tp)
+        buf = torch.zeros(ctx.case.tokens * ctx.model.num_experts_per_tok, d, dtype=torch.bfloat16)
+        buf[send_route.long()] = fit(rows)
+        return {"routed_y_buf": buf}
+
+
+class MoeDropsTheRoutingWeight(StageDefect):
+    """The routed experts ignore the routing weight (weight 1 on every row)."""
+
+    stages = ("routed_experts",)
+
+    def defective(self, stage, ctx, v):
+        aux = v["recv_aux"].clone()
+        aux[:, 1] = 1.0
+        return stage.run(ctx, {**v, "recv_aux": aux})
+
+
+class MoeProcessesTokensPastNumTokens(TorchTP):
+    """Rank 1 routes and reduces every one of its T tokens, active or not."""
+
+    def __call__(self, ctx, tensors):
+        if ctx.rank == 1:
+            tensors = {**tensors, "num_tokens": torch.tensor(ctx.case.tokens, dtype=torch.int32)}
+        return super().__call__(ctx, tensors)

@@ -129,7 +129,7 @@ def test_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
     t0 = time.monotonic()
     proc.send_signal(sig)
     text, _ = proc.communicate(timeout=30)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 60
     assert proc.returncode == 128 + sig, text
     assert f"interrupted by {signal.Signals(sig).name}: every rank was stopped" in text
     _no_orphans(str(tmp_path))

@@ -8,7 +8,6 @@ separately built stacked fixture.
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -254,9 +253,7 @@ def test_1m_context_commits_the_last_row_and_sees_all_8192():
     x = hca.LAYER.rank_inputs(case, 0)
     assert x["cmp_block_table"].tolist() == [list(range(256))]
     assert x["cmp_slot_mapping"].tolist() == [-1] * 7 + [255 * 32 + 31]
-    t0 = time.perf_counter()
     out = hca.LAYER.golden(case, {n: v.clone() for n, v in x.items()})
-    assert time.perf_counter() - t0 < 30
     assert not torch.equal(out["cmp_kv"].view(-1, 64)[8191], x["cmp_kv"].view(-1, 64)[8191])
     assert torch.isfinite(out["x_out"]).all()
 

@@ -65,7 +65,7 @@ class KillJobProcess:
         time.sleep(60)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)
 def test_ctrl_c_in_a_sweep_leaves_its_summary(tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.Popen(
@@ -75,12 +75,12 @@ def test_ctrl_c_in_a_sweep_leaves_its_summary(tmp_path):
         text=True,
     )
     progress = sweep_dir / "1" / "progress" / "rank1.jsonl"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 300
     while not (progress.exists() and '"layer", "event": "start"' in progress.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert progress.exists(), "the second job never reached its layer stage"
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 128 + signal.SIGINT, out
     summary = json.loads((sweep_dir / "summary.json").read_text())
     assert summary["interrupted"] is True

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from launcher.verify import build_comparator
 from layers import moe
+from layers.staged import run_stages
 from layers.components import moe_routing as routing
 from layers.contract.case import MoECase
 from layers.contract.config import TINY
@@ -109,7 +110,7 @@ def _job(rank: int, world: int, kw: dict, defect: str | None, defect_ranks: tupl
     with ExitStack() as stack:
         if defect and rank in defect_ranks:
             stack.enter_context(DEFECTS[defect](ctx))
-        values = moe.run_stages(ctx, inputs)
+        values = run_stages(moe.LAYER.stages(ctx.model), ctx, inputs)
     actual = wire.gather(values["x_next"], rank, world, ctx.group)
     # the dispatch stage alone: pure data movement, so bitwise the golden's replay
     replay = moe.golden_dispatch(case, rank, gates, case.active)

@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _free_port() -> int:
@@ -62,7 +62,7 @@ def test_nodes_with_different_configs_are_refused_on_both(tmp_path):
 def test_a_node_that_never_joins_times_out_clearly(tmp_path):
     p = _launcher(["layer=swa", "tp=2", "model=tiny", "nnodes=2", "node_rank=0", f"master_port={_free_port()}", "timeout_s=4"],
                   tmp_path / "node0")
-    out = p.communicate(timeout=60)[0]
+    out = p.communicate(timeout=240)[0]  # the run ends after 4 s; the margin is for a loaded machine
     assert p.returncode == 2, out
     assert "timed out after 4 s: not all 2 nodes joined" in out
 

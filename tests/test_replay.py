@@ -119,10 +119,28 @@ def test_per_rank_starts_that_differ_replay_alone(tmp_path, tp_run):
     assert replay.result["case"]["start_pos"] == saved == starts[0] + starts[1]
 
 
-def test_a_moe_snapshot_is_recognised_by_its_tensors():
+def test_the_moe_snapshot_replays_from_golden_data_alone(tp_run):
+    """layer=moe from its expert tensors, ep from the leading axis, layer_id and num_tokens from
+    their scalar files, the model from the shapes."""
     src = peer_snapshot("moe-ep2-small")
-    message = _refused(f"golden_data={src}")
-    assert "is a MoE snapshot" in message and "x_next.pt" in message and "attention layers" in message
+    run = tp_run(golden_data=str(src), recompute_golden=True)
+    assert run.passed and "recomputed_verdicts" in run.result, run
+    case = run.result["case"]
+    assert (case["layer"], case["model"], case["ep"], case["layer_id"], case["num_tokens"]) == ("moe", "small", 2, 4, 96)
+    assert run.result["snapshot"]["ep"]["source"] == str(src / "in" / "x_hc.pt")
+    assert {"layer", "ep", "layer_id", "num_tokens", "model"} <= set(run.result["snapshot"]["read"])
+
+
+@pytest.mark.parametrize("key, given, held, file", [
+    ("ep", "4", "ep=2", "in/x_hc.pt"),
+    ("layer_id", "1", "layer_id=4", "in/layer_id.pt"),
+    ("num_tokens", "5", "num_tokens=96", "in/num_tokens.pt"),
+    ("layer", "swa", "layer=moe", "in/tid2eid.pt"),
+])
+def test_a_key_that_contradicts_the_moe_snapshot_is_refused(key, given, held, file):
+    src = peer_snapshot("moe-ep2-small")
+    message = _refused(f"golden_data={src}", f"{key}={given}")
+    assert message.startswith(f"{key}={given} contradicts the snapshot: {src / file} holds {held}"), message
 
 
 def test_starts_must_agree_with_kv_seq_lens(tmp_path):

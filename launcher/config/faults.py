@@ -6,6 +6,7 @@ not pass silently. Firing it is the ranks' business (`launcher.run.faults`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from layers.contract.config import ConfigError
@@ -22,9 +23,9 @@ class Fault:
     rank: int
     stage: str
 
-    def check(self, tp: int, saves: bool) -> None:
+    def check(self, tp: int, absent: Mapping[str, str]) -> None:
         """Refuse a fault that could never fire: a smoke test expecting it must not pass silently.
-        `saves`: the run writes a snapshot (the only runs with a 'save' stage)."""
+        `absent`: the stages this run does not have, each with the key that would add it."""
         if self.kind not in KINDS:
             raise ConfigError(f"fault.kind={self.kind!r} must be one of {', '.join(KINDS)}")
         if self.stage not in FAULT_STAGES:
@@ -33,8 +34,8 @@ class Fault:
             raise ConfigError(f"fault.rank={self.rank} must be in [0, {tp}) for tp={tp}")
         if self.kind in OUTPUT_KINDS and self.stage != "layer":
             raise ConfigError(f"fault.kind={self.kind} corrupts the layer's outputs: it needs fault.stage=layer")
-        if self.stage == "save" and not saves:
-            raise ConfigError("fault.stage=save never runs without save_data=DIR")
+        if self.stage in absent:
+            raise ConfigError(f"fault.stage={self.stage} never runs without {absent[self.stage]}")
         if self.stage in ROOT_ONLY_STAGES and self.rank != 0:
             raise ConfigError(f"fault.stage={self.stage} runs on rank 0 alone, not on fault.rank={self.rank}")
 

@@ -1,7 +1,8 @@
 """The case a replayed snapshot fixes, merged with the keys the command line gives.
 
 A snapshot holds its whole case: `launcher.store.snapshot_case.describe` reads what it says
-(layer, scope, tp, local_t, start positions, seed, model) into `SnapshotFacts`, each fact with
+(layer, scope, tp, local_t, start positions, seed, model; a MoE snapshot ep, layer_id and
+num_tokens in place of tp, local_t and start positions) into `SnapshotFacts`, each fact with
 the file it comes from. `replayed_case` takes every fact in place of the config's value; a key
 the user gave explicitly must agree with the snapshot, or the run is refused with one line
 naming the key, both values and the file. Keys the snapshot does not fix (a scope snapshot's
@@ -21,15 +22,16 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from layers.contract.case import Case
+from layers.contract.case import Case, MoECase
 from layers.contract.config import ConfigError, ModelConfig
 from layers.contract.layer import Layer
 from layers.registry import get_scope
 
 from launcher.config.overrides import override_keys
 
-# The keys a snapshot can fix; `model.<field>` keys are read as the model key too.
-CASE_KEYS = ("layer", "scope", "tp", "local_t", "start_pos", "seed", "model")
+# The keys a snapshot can fix; `model.<field>` keys are read as the model key too. The MoE
+# layer's snapshot fixes ep, layer_id and num_tokens in place of tp, local_t and start_pos.
+CASE_KEYS = ("layer", "scope", "tp", "local_t", "start_pos", "ep", "layer_id", "num_tokens", "seed", "model")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class SnapshotFacts:
     tp: Fact | None = None
     local_t: Fact | None = None
     starts: Fact | None = None  # value: every rank's request starts, tuple per rank
+    ep: Fact | None = None
+    layer_id: Fact | None = None
+    num_tokens: Fact | None = None
     seed: Fact | None = None
     model: ModelConfig | None = None  # the model its dims select (a preset, or one named "snapshot")
     model_fields: dict[str, Fact] = field(default_factory=dict)  # every field it fixes
@@ -108,20 +113,53 @@ def _start_pos(layer: Layer, case: Case, starts: tuple[tuple[int, ...], ...]) ->
     return tuple(flat)
 
 
-def replayed_case(case: Case, facts: SnapshotFacts, given: frozenset[str],
-                  default_local_t) -> tuple[Case, tuple[str, ...]]:
+def replayed_layer(layer: str, facts: SnapshotFacts, given: frozenset[str]) -> str:
+    """The layer a replay runs: the snapshot's, unless the user named another (refused)."""
+    if facts.layer is None:
+        return layer
+    if "layer" in given and layer != facts.layer.value:
+        raise _refuse("layer", layer, facts.layer)
+    return facts.layer.value
+
+
+def _agreed(key: str, current, facts: SnapshotFacts, given: frozenset[str]):
+    """The snapshot's value of `key` where it has one (refusing a given value that differs),
+    else the config's."""
+    fact = facts.get(key)
+    if fact is None:
+        return current
+    if key in given and current != fact.value:
+        raise _refuse(key, current, fact)
+    return fact.value
+
+
+def _field_overrides(model: ModelConfig, given: frozenset[str]) -> dict[str, Any]:
+    return {k.split(".", 1)[1]: getattr(model, k.split(".", 1)[1]) for k in given if k.startswith("model.")}
+
+
+def _read(facts: SnapshotFacts) -> tuple[str, ...]:
+    read = [k for k in CASE_KEYS if k != "model" and facts.get(k) is not None]
+    if facts.model is not None or facts.model_fields:
+        read.append("model")
+    return tuple(read)
+
+
+def _replayed_moe_case(case: MoECase, facts: SnapshotFacts, given: frozenset[str]) -> tuple[MoECase, tuple[str, ...]]:
+    """The MoE case of a replay: ep, layer_id, num_tokens, seed and model from the snapshot."""
+    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("ep", "layer_id", "num_tokens", "seed")}
+    model = _model(case.model, facts, given, _field_overrides(case.model, given))
+    return dataclasses.replace(case, model=model, **values), _read(facts)
+
+
+def replayed_case(case: Case | MoECase, facts: SnapshotFacts, given: frozenset[str],
+                  default_local_t) -> tuple[Case | MoECase, tuple[str, ...]]:
     """The case of a replay: every fact of the snapshot, checked against the keys the user gave.
     Returns the case and the keys read from the snapshot. `default_local_t(layer, scope, model,
     tp)` is the config's default, for a snapshot that holds no local_t."""
-    values = {}
-    for key, current in (("layer", case.layer), ("scope", case.scope), ("tp", case.tp), ("seed", case.seed)):
-        fact = facts.get(key)
-        if fact is not None and key in given and current != fact.value:
-            raise _refuse(key, current, fact)
-        values[key] = fact.value if fact is not None else current
-    field_overrides = {k.split(".", 1)[1]: getattr(case.model, k.split(".", 1)[1])
-                       for k in given if k.startswith("model.")}
-    model = _model(case.model, facts, given, field_overrides)
+    if isinstance(case, MoECase):
+        return _replayed_moe_case(case, facts, given)
+    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("layer", "scope", "tp", "seed")}
+    model = _model(case.model, facts, given, _field_overrides(case.model, given))
     if facts.local_t is not None:
         if "local_t" in given and case.local_t != facts.local_t.value:
             raise _refuse("local_t", case.local_t, facts.local_t)
@@ -140,10 +178,7 @@ def replayed_case(case: Case, facts: SnapshotFacts, given: frozenset[str],
                 raise _refuse("start_pos", given_starts, facts.starts, value=[list(r) for r in facts.starts.value])
         else:
             replayed = dataclasses.replace(replayed, start_pos=_start_pos(layer, replayed, facts.starts.value))
-    read = [k for k in CASE_KEYS if k != "model" and facts.get(k) is not None]
-    if facts.model is not None or facts.model_fields:
-        read.append("model")
-    return replayed, tuple(read)
+    return replayed, _read(facts)
 
 
 def facts_entry(facts: SnapshotFacts, read: Sequence[str]) -> dict:
@@ -160,4 +195,4 @@ def facts_entry(facts: SnapshotFacts, read: Sequence[str]) -> dict:
     return entry
 
 
-__all__ = ["Fact", "SnapshotFacts", "CASE_KEYS", "given_keys", "replayed_case", "facts_entry"]
+__all__ = ["Fact", "SnapshotFacts", "CASE_KEYS", "given_keys", "replayed_layer", "replayed_case", "facts_entry"]

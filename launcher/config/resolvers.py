@@ -22,6 +22,10 @@ from layers.contract.case import TOKEN_TILE
 from layers.contract.config import ModelConfig
 
 
+# The attention layers' TP size when `tp` is not given (the MoE layer has `ep` instead).
+DEFAULT_TP = 4
+
+
 def row_block(decode_seq: int) -> int:
     """The token row block: lcm(TOKEN_TILE, decode_seq) tokens, whole requests and whole tiles."""
     return math.lcm(TOKEN_TILE, decode_seq)
@@ -31,16 +35,21 @@ def _model(root) -> ModelConfig:
     return ModelConfig(**OmegaConf.to_container(root.model, resolve=True))
 
 
+def tp_of(root) -> int:
+    """The job's tp: the key, or its default for the attention layers."""
+    return int(root.tp) if root.tp is not None else DEFAULT_TP
+
+
 def capacity(blocks_below: int = 0, *, _root_) -> int:
     """The rank capacity of the job's model and tp, less `blocks_below` row blocks."""
     m = _model(_root_)
-    return m.decode_tokens // int(_root_.tp) - int(blocks_below) * row_block(m.decode_seq)
+    return m.decode_tokens // tp_of(_root_) - int(blocks_below) * row_block(m.decode_seq)
 
 
 def row_block_below(*, _root_) -> int:
     """The second token count of validation.md §5.3: one row block below the capacity for
     tp > 1; at tp = 1 the reference runs the capacity alone, and so does this."""
-    return capacity(0 if int(_root_.tp) == 1 else 1, _root_=_root_)
+    return capacity(0 if tp_of(_root_) == 1 else 1, _root_=_root_)
 
 
 def mixed_pattern(m: ModelConfig) -> list[int]:
@@ -54,7 +63,7 @@ def mixed_pattern(m: ModelConfig) -> list[int]:
 def mixed_starts(*, _root_) -> list[int]:
     """One start per request of the TP group, request i taking `mixed_pattern[i % 13]`."""
     m = _model(_root_)
-    tp = int(_root_.tp)
+    tp = tp_of(_root_)
     local_t = _root_.local_t if _root_.local_t is not None else m.decode_tokens // tp
     pattern = mixed_pattern(m)
     return [pattern[i % len(pattern)] for i in range(tp * (int(local_t) // m.decode_seq))]

@@ -40,17 +40,29 @@ class ReportSchema:
 
 
 @dataclass
+class BenchSchema:
+    rounds: int = 0  # timed rounds after the validated step (0: no benchmark)
+    warmup: int = 0  # untimed rounds before them
+    stages: bool = False  # time every stage of a stage-based implementation
+
+
+@dataclass
 class FaultSchema:
     kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.run.faults)
     rank: int = 0
-    stage: str = "layer"  # fixture | golden | save | layer | gather | compare
+    stage: str = "layer"  # fixture | golden | save | layer | gather | bench | compare
 
 
 @dataclass
 class RunSchema:
     layer: LayerSchema = MISSING
     model: Any = MISSING
-    tp: int = 4
+    tp: Optional[int] = None  # attention layers; null = 4
+    ep: Optional[int] = None  # the MoE layer; null = 2
+    dp: int = 1
+    layer_id: Optional[int] = None  # MoE case keys (null: layer 0, every token active, random routing)
+    num_tokens: Optional[int] = None
+    balanced_routing: Optional[bool] = None
     local_t: Optional[int] = None
     seed: int = 20260819
     start_pos: Any = None
@@ -74,6 +86,9 @@ class RunSchema:
     nproc_per_node: Optional[int] = None
     scope: str = "full"
     bisect: bool = False
+    golden: bool = True  # false: performance only, no golden and no comparison (verdict UNCHECKED)
+    bench: BenchSchema = field(default_factory=BenchSchema)
+    profile: bool = False  # torch.profiler traces of the benchmark rounds, one per rank
     # Open to any key (`tolerance.x_out.diff_thd=4e-3` needs no `+`); launcher.config.tolerance
     # checks the names against the layers' checks instead.
     tolerance: Any = field(default_factory=lambda: DictConfig({}, flags={"struct": False}))

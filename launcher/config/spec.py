@@ -1,39 +1,53 @@
 """The one reader of the run config: a composed Hydra config -> a validated, frozen `RunSpec`.
 
 `run_spec` reads every key once and checks each value (naming the key, the value and the
-rule) into a RunSpec and its `Case`; `validated_spec` takes the case a replayed snapshot fixes
-(`launcher.config.replay`) and validates the case once: its TP rules (`Case.validate`), then
-its layer's (`Layer.validate`). What only the machine can tell (devices, ports, the snapshot's files, an
-importable implementation) is checked next by `launcher.run.preflight`. `config_case` is the same config's case for a run refused before a
-RunSpec exists, each key read on its own.
+rule) into a RunSpec and its `Case` (or `MoECase`); `validated_spec` takes the case a replayed
+snapshot fixes (`launcher.config.replay`), validates the case once (its TP or EP rules, then
+its layer's) and reads the run's tolerances (`launcher.config.tolerance`). What only the
+machine can tell (devices, ports, the snapshot's files, an importable implementation) is
+checked next by `launcher.run.preflight`. `config_case` is the same config's case for a run
+refused before a RunSpec exists, each key read on its own.
 
 RunSpec is plain dataclasses, picklable, no OmegaConf: it is what every rank receives.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from layers.contract.case import Case
-from layers.contract.config import ConfigError, ModelConfig
+from layers.contract.case import Case, MoECase
+from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
 from layers.contract.layer import Layer
 from layers.registry import get_scope, validated
 
 from launcher.config.faults import Fault
 from launcher.config.faults import check_unset as check_fault_unset
 from launcher.config.overrides import override_keys
-from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case
+from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer
 from launcher.config.tolerance import Tolerances, read_tolerances
+from launcher.config.resolvers import tp_of
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_IMPL = "layers.tp.TorchTP"
+DEFAULT_EP = 2  # the MoE layer's EP size when `ep` is not given (the reference's default)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """Benchmark mode (`launcher.run.bench`): timed rounds after the validated step."""
+
+    rounds: int
+    warmup: int = 0
+    stages: bool = False  # time every stage of a stage-based implementation
+    profile: bool = False  # torch.profiler traces of the timed rounds, one per rank
 
 
 @dataclass(frozen=True)
@@ -41,7 +55,7 @@ class RunSpec:
     """Everything a rank needs to run its part of one case, and how the launcher reports it
     (picklable, no OmegaConf)."""
 
-    case: Case
+    case: Case | MoECase
     impl: dict  # a Hydra instantiate spec: {"_target_": ..., **kwargs}
     backend: str
     timeout_s: float
@@ -60,9 +74,12 @@ class RunSpec:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 (single node): the store binds a free port
-    nproc_per_node: int = 0  # ranks on this node; 0 means tp / nnodes
+    nproc_per_node: int = 0  # ranks on this node; 0 means dp * tp / nnodes
     bisect: bool = False  # after a failing full run, locate the first divergent stage and rank
     report_plots: bool = False  # PNG heat maps of a failing tensor's errors (drawn by the launcher)
+    dp: int = 1  # TP groups side by side: the world is dp * tp ranks (launcher.run.groups)
+    golden: bool = True  # False: a performance-only run, no golden and no comparison (UNCHECKED)
+    bench: Optional[BenchSpec] = None  # benchmark rounds after the validated step
 
     @property
     def layer(self) -> Layer:
@@ -70,8 +87,13 @@ class RunSpec:
         return get_scope(self.case.layer, self.case.scope)
 
     @property
+    def world(self) -> int:
+        """Every rank of the launch: dp groups of the layer's group size (tp, or ep)."""
+        return self.dp * self.case.group_size
+
+    @property
     def local_ranks(self) -> int:
-        return self.nproc_per_node or self.case.tp // self.nnodes
+        return self.nproc_per_node or self.world // self.nnodes
 
     @property
     def rank_base(self) -> int:
@@ -91,18 +113,8 @@ class RunSpec:
 
     def case_entry(self) -> dict:
         """result.json's `case`: what ran, as the config names it."""
-        c = self.case
-        return {
-            "layer": c.layer,
-            "scope": c.scope,
-            "model": c.model.name,
-            "tp": c.tp,
-            "local_t": c.local_t,
-            "seed": c.seed,
-            "start_pos": list(c.start_pos) if isinstance(c.start_pos, tuple) else c.start_pos,
-            "backend": self.backend,
-            "impl": self.impl.get("_target_"),
-        }
+        return {**self.case.describe(), "model": self.case.model.name, "dp": self.dp, "backend": self.backend,
+                "impl": self.impl.get("_target_")}
 
 
 def _start_pos(value: Any) -> int | tuple[int, ...] | None:
@@ -125,23 +137,20 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     """
     model_fields = OmegaConf.to_container(cfg.model, resolve=True)
     model = ModelConfig(**model_fields)
-    tp = int(cfg.tp)
-    if tp < 1:
-        raise ConfigError(f"tp={tp} must be >= 1")
-    scope = str(cfg.scope)
-    get_scope(str(cfg.layer.name), scope)  # an unknown layer or scope is a ConfigError here
-    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(str(cfg.layer.name), scope, model, tp)
+    layer_name, scope = str(cfg.layer.name), str(cfg.scope)
+    get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
+    case = _moe_case(cfg, model) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
+    group = case.group_size
+    dp = int(cfg.dp)
+    if dp < 1:
+        raise ConfigError(f"dp={dp} must be >= 1 (the number of groups; the world is dp*{_size_key(case)} ranks)")
+    if dp > 1 and cfg.golden_data:
+        raise ConfigError(f"golden_data replays one group's snapshot: it needs dp=1, not dp={dp}")
+    world = dp * group
     if cfg.bisect and scope != "full":
         raise ConfigError(f"bisect=true locates a divergent stage of the full layer; it needs scope=full, not scope={scope}")
-    case = Case(
-        layer=str(cfg.layer.name),
-        model=model,
-        tp=tp,
-        local_t=int(local_t),
-        seed=int(cfg.seed),
-        start_pos=_start_pos(cfg.start_pos),
-        scope=scope,
-    )
+    if cfg.bisect and isinstance(case, MoECase):
+        raise ConfigError("bisect=true walks the attention layers' stages; layer=moe is compared on x_next alone")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"backend={cfg.backend!r} must be one of {', '.join(BACKENDS)}")
     if cfg.start_method not in START_METHODS:
@@ -149,12 +158,13 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     timeout_s = default_timeout_s(model) if cfg.timeout_s is None else float(cfg.timeout_s)
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s={cfg.timeout_s} must be > 0")
+    golden, bench = _performance(cfg)
     fault = None
     if cfg.fault.kind is not None:
         fault = Fault(kind=str(cfg.fault.kind), rank=int(cfg.fault.rank), stage=str(cfg.fault.stage))
-        fault.check(tp, saves=bool(cfg.save_data))
+        fault.check(world, _absent_stages(cfg, golden, bench))
     else:
-        check_fault_unset(int(cfg.fault.rank), str(cfg.fault.stage), tp)
+        check_fault_unset(int(cfg.fault.rank), str(cfg.fault.stage), world)
     if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
         raise ConfigError(f"threads_per_rank={cfg.threads_per_rank} must be >= 1")
     if cfg.recompute_golden and not cfg.golden_data:
@@ -183,40 +193,129 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         fault=fault,
         bisect=bool(cfg.bisect),
         report_plots=bool(cfg.report.plots),
-        **_nodes(cfg, tp),
+        dp=dp,
+        golden=golden,
+        bench=bench,
+        **_nodes(cfg, case, dp),
     )
+
+
+def _size_key(case) -> str:
+    return "ep" if isinstance(case, MoECase) else "tp"
+
+
+def _given(cfg: DictConfig, keys: tuple[str, ...]) -> list[str]:
+    return [k for k in keys if cfg[k] is not None]
+
+
+def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> Case:
+    """The case of an attention layer (swa, csa, hca): TP keys; the MoE keys are refused."""
+    moe_keys = _given(cfg, ("ep", "layer_id", "num_tokens", "balanced_routing"))
+    if moe_keys:
+        raise ConfigError(f"{moe_keys[0]}={cfg[moe_keys[0]]} is a key of layer=moe; layer={layer} takes tp, "
+                          f"local_t and start_pos")
+    tp = tp_of(cfg)
+    if tp < 1:
+        raise ConfigError(f"tp={tp} must be >= 1")
+    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(layer, scope, model, tp)
+    return Case(layer=layer, model=model, tp=tp, local_t=int(local_t), seed=int(cfg.seed),
+                start_pos=_start_pos(cfg.start_pos), scope=scope)
+
+
+def _moe_case(cfg: DictConfig, model: ModelConfig) -> MoECase:
+    """The case of the MoE layer: its group is the EP group (`ep`, default 2) with 128 tokens
+    per rank; the attention layers' keys do not apply and are refused."""
+    attention_keys = _given(cfg, ("tp", "local_t", "start_pos"))
+    if attention_keys:
+        k = attention_keys[0]
+        raise ConfigError(f"{k}={cfg[k]} does not apply to layer=moe (its group is ep=P ranks of 128 tokens "
+                          f"each): leave {k} out")
+    ep = int(cfg.ep) if cfg.ep is not None else DEFAULT_EP
+    if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
+        raise ConfigError(f"ep={ep} must be in [1, {MOE_MAX_EP}] (E = 16·ep experts; score routing sorts at most 256)")
+    return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id or 0),
+                   num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
+                   balanced_routing=bool(cfg.balanced_routing))
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,
                    describe_snapshot: Callable[[str], SnapshotFacts] | None = None) -> RunSpec:
     """The one reader's whole answer: `run_spec`, the case a replayed snapshot fixes, and the
-    case validated once (its TP rules, then its layer's).
+    case validated once (its TP or EP rules, then its layer's).
 
     `overrides`: the run's override strings, which say what the user gave explicitly (None:
-    every key as composed) and whose tolerance entries win over a profile's. `describe_snapshot(golden_data)` reads what a snapshot says of its
-    case (`launcher.store.snapshot_case.describe`): the config floor opens no snapshot itself.
+    every key as composed) and whose tolerance entries win over a profile's.
+    `describe_snapshot(golden_data)` reads what a snapshot says of its case
+    (`launcher.store.snapshot_case.describe`): the config floor opens no snapshot itself. The
+    snapshot's layer is read first, since it decides which keys the case takes.
     """
+    given = given_keys(cfg, overrides)
+    facts = None
+    if cfg.golden_data and describe_snapshot is not None:
+        facts = describe_snapshot(_path(cfg.golden_data))
+        # The snapshot's layer decides which keys the case takes (tp or ep): read it first.
+        layer = replayed_layer(str(cfg.layer.name), facts, given)
+        if layer != cfg.layer.name:
+            cfg = copy.deepcopy(cfg)
+            with open_dict(cfg):
+                cfg.layer.name = layer
     spec = run_spec(cfg, output_dir)
-    if spec.golden_data and describe_snapshot is not None:
-        facts = describe_snapshot(spec.golden_data)
-        case, read = replayed_case(spec.case, facts, given_keys(cfg, overrides), _default_local_t)
-        spec = dataclasses.replace(spec, case=case, snapshot=facts_entry(facts, read), **_nodes(cfg, case.tp))
+    if facts is not None:
+        case, read = replayed_case(spec.case, facts, given, _default_local_t)
+        spec = dataclasses.replace(spec, case=case, snapshot=facts_entry(facts, read), **_nodes(cfg, case, spec.dp))
+        if spec.fault is not None:  # its rank against the snapshot's group, not the config's
+            spec.fault.check(spec.world, _absent_stages(cfg, spec.golden, spec.bench))
     validated(spec.case)  # the one validation of a case: its TP rules, then its layer's
     explicit = override_keys(overrides) if overrides is not None else frozenset()
     return dataclasses.replace(spec, tolerances=read_tolerances(cfg.get("tolerance"), spec.case, explicit))
 
 
-def _nodes(cfg: DictConfig, tp: int) -> dict:
+def _performance(cfg: DictConfig) -> tuple[bool, Optional[BenchSpec]]:
+    """`golden` and the benchmark: golden=false skips golden and comparison (a performance run
+    of a case already validated), so it cannot be replayed against, saved or bisected."""
+    rounds, warmup = int(cfg.bench.rounds), int(cfg.bench.warmup)
+    if rounds < 0 or warmup < 0:
+        raise ConfigError(f"bench.rounds={rounds} and bench.warmup={warmup} must be >= 0")
+    if rounds == 0 and (warmup or cfg.bench.stages or cfg.profile):
+        given = "bench.warmup" if warmup else "bench.stages=true" if cfg.bench.stages else "profile=true"
+        raise ConfigError(f"{given} applies to benchmark rounds: set bench.rounds=N (N > 0)")
+    golden = bool(cfg.golden)
+    if not golden:
+        for key in ("golden_data", "save_data"):
+            if cfg[key]:
+                raise ConfigError(f"golden=false runs no golden: it cannot go with {key}={cfg[key]}")
+        if cfg.bisect:
+            raise ConfigError("golden=false runs no golden: bisect=true has nothing to compare against")
+    bench = BenchSpec(rounds, warmup, bool(cfg.bench.stages), bool(cfg.profile)) if rounds else None
+    return golden, bench
+
+
+def _absent_stages(cfg: DictConfig, golden: bool, bench: Optional[BenchSpec]) -> dict[str, str]:
+    """The rank stages this run will not have, each with the key that would add it."""
+    absent = {}
+    if not cfg.save_data:
+        absent["save"] = "save_data=DIR"
+    if bench is None:
+        absent["bench"] = "bench.rounds=N"
+    if not golden:
+        absent.update(golden="golden=true", compare="golden=true")
+    return absent
+
+
+def _nodes(cfg: DictConfig, case, dp: int) -> dict:
     nnodes, node_rank = int(cfg.nnodes), int(cfg.node_rank)
+    size, key = case.group_size, _size_key(case)
+    world = dp * size
     if nnodes < 1:
         raise ConfigError(f"nnodes={nnodes} must be >= 1")
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"node_rank={node_rank} must be in [0, {nnodes}) for nnodes={nnodes}")
-    nproc = int(cfg.nproc_per_node) if cfg.nproc_per_node is not None else (tp // nnodes if tp % nnodes == 0 else 0)
-    if nproc < 1 or nproc * nnodes != tp:
+    nproc = int(cfg.nproc_per_node) if cfg.nproc_per_node is not None else (world // nnodes if world % nnodes == 0 else 0)
+    if nproc < 1 or nproc * nnodes != world:
+        ranks = f"dp*{key}={dp}*{size}={world}" if dp > 1 else f"{key}={size}"
         raise ConfigError(
-            f"nproc_per_node={cfg.nproc_per_node if cfg.nproc_per_node is not None else 'tp/nnodes'} x nnodes={nnodes} "
-            f"must equal tp={tp} (one rank per device on every node)"
+            f"nproc_per_node={cfg.nproc_per_node if cfg.nproc_per_node is not None else 'world/nnodes'} x "
+            f"nnodes={nnodes} must equal {ranks} (one rank per device on every node)"
         )
     port = cfg.master_port if cfg.master_port is not None else (0 if nnodes == 1 else 29500)
     if not 0 <= int(port) < 65536 or (nnodes > 1 and int(port) == 0):
@@ -266,6 +365,8 @@ def config_case(cfg) -> dict:
         "scope": get(lambda: cfg.scope),
         "model": get(lambda: cfg.model.name),
         "tp": get(lambda: cfg.tp),
+        "ep": get(lambda: cfg.ep),
+        "dp": get(lambda: cfg.dp),
         "local_t": get(lambda: cfg.local_t),
         "seed": get(lambda: cfg.seed),
         "start_pos": get(lambda: cfg.start_pos),

@@ -28,10 +28,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from layers.contract.case import Case
+from layers.contract.case import Case, MoECase
 from layers.contract.checks import Check, tolerance_params
 from layers.contract.config import TINY, ConfigError
-from layers.registry import LAYERS, SCOPES, get_scope
+from layers.registry import ATTENTION, LAYERS, SCOPES, get_scope
 
 from launcher.config.overrides import names
 
@@ -69,9 +69,12 @@ def known_tensors() -> dict[str | None, dict[str, frozenset[str]]]:
     known: dict[str | None, dict[str, set[str]]] = {None: {}}
     for layer in LAYERS:
         known[layer] = {}
-        case = Case(layer, TINY, 1, TINY.decode_tokens, 0)
-        for scope in SCOPES:
-            for check in get_scope(layer, scope).checks(dataclasses.replace(case, scope=scope)):
+        if layer not in ATTENTION:  # the MoE layer: no focused scopes
+            cases = [MoECase(TINY, 1, 0)]
+        else:
+            cases = [Case(layer, TINY, 1, TINY.decode_tokens, 0, scope=scope) for scope in SCOPES]
+        for case in cases:
+            for check in get_scope(layer, case.scope).checks(case):
                 for key in (None, layer):
                     known[key].setdefault(check.output, set()).update(tolerance_params(check))
     return {k: {t: frozenset(p) for t, p in v.items()} for k, v in known.items()}
@@ -130,7 +133,7 @@ def _value(key: str, param: str, value):
     return value  # an int stays one: labels print max_diff_hd=2 as the reference does
 
 
-def read_tolerances(node: DictConfig | dict | None, case: Case, explicit: frozenset[str]) -> Tolerances:
+def read_tolerances(node: DictConfig | dict | None, case: Case | MoECase, explicit: frozenset[str]) -> Tolerances:
     """The tolerances of `case`'s checks from the `tolerance` node; `explicit`: the keys the
     run's overrides name (their entries win)."""
     tree = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
@@ -140,7 +143,7 @@ def read_tolerances(node: DictConfig | dict | None, case: Case, explicit: frozen
     chosen: dict[tuple[str, str], tuple[tuple, Any]] = {}
     not_applied = set()
     for layer, multi, tensor, param, value, named in _entries(tree, explicit):
-        if layer not in (None, case.layer) or multi and case.tp == 1:
+        if layer not in (None, case.layer) or multi and case.group_size == 1:
             continue
         where = f"{layer}." if layer else ""
         if tensor not in checks:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.tolerance import fails_the_run
+from launcher.report.result import verdict
 from launcher.verify.bisect import render as render_bisect
 
 
@@ -32,7 +33,8 @@ def table_lines(rows: list[list[str]]) -> list[str]:
 def snapshot_line(snapshot: dict, case: dict) -> str:
     """The case a replay read from its snapshot, and which keys it read there."""
     read = snapshot["read"]
-    shown = " ".join(f"{k}={case.get(k)}" for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed"))
+    shown = " ".join(f"{k}={case.get(k)}" for k in ("layer", "scope", "model", "tp", "ep", "local_t", "layer_id", "num_tokens",
+                                                        "start_pos", "seed") if k in case)
     model = snapshot.get("model") or {}
     dims = ""
     if model.get("name") == "snapshot":  # no preset has its dims: the dims it fixes
@@ -41,14 +43,19 @@ def snapshot_line(snapshot: dict, case: dict) -> str:
             f"{', '.join(read) if read else 'nothing'}")
 
 
+def case_line(c: dict) -> str:
+    """The case as `key=value` pairs: the attention layers' tp / local_t / start_pos, the MoE
+    layer's ep / layer_id / num_tokens / balanced_routing; dp where there are several groups."""
+    keys = ["layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
+            "seed", "start_pos", "backend", "impl"]
+    cells = [f"{k}={c[k]}" for k in keys if k in c and not (k == "dp" and c[k] in (None, 1))]
+    return "dsv4-tp-harness  " + " ".join(cells)
+
+
 def render(result: dict) -> str:
-    c = result["case"]
-    lines = [
-        f"dsv4-tp-harness  layer={c['layer']} scope={c.get('scope', 'full')} model={c['model']} tp={c['tp']} local_t={c['local_t']} "
-        f"seed={c['seed']} start_pos={c['start_pos']} backend={c['backend']} impl={c['impl']}"
-    ]
+    lines = [case_line(result["case"])]
     if result.get("snapshot"):
-        lines.append(snapshot_line(result["snapshot"], c))
+        lines.append(snapshot_line(result["snapshot"], result["case"]))
     if result["status"] in ("config-error", "skipped"):  # no rank ran
         word = "error" if result["status"] == "config-error" else "SKIPPED"
         lines.append(f"{word}: {result['error']['message']}")
@@ -73,31 +80,45 @@ def render(result: dict) -> str:
         lines.append(f"VERDICT: ERROR ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     if "compared_on_node" in result:
-        verdict = "PASS" if result["passed"] else "FAIL"
-        lines.append(f"node {result['node_rank']}: rank 0 on node 0 compared; its verdict: {verdict}")
-        lines.append(f"VERDICT: {verdict} ({result['wall_s']:.1f}s)")
+        word = verdict(result)
+        lines.append(f"node {result['node_rank']}: rank 0 on node 0 compared; its verdict: {word}")
+        lines.append(f"VERDICT: {word} ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     secs = result["rank_seconds"]
     stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in RANK_STAGES if any(s in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
     peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
     lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
+    if result.get("bench"):
+        lines += bench_lines(result["bench"])
+    if result.get("unchecked"):
+        lines.append("VERDICT: UNCHECKED (golden=false: a performance run; no golden was computed and nothing "
+                     f"was compared) ({result['wall_s']:.1f}s)")
+        return "\n".join(lines)
     lines.append(_reference_line(result))
     tolerance = tolerance_line(result.get("tolerance"))
     if tolerance:
         lines.append(tolerance)
-    lines += _verdict_lines(result["verdicts"])
+    if "groups" in result:  # several TP groups: each group's verdicts, its ranks named globally
+        for g in result["groups"]:
+            lines.append(f"group {g['group']} (global ranks {g['ranks'][0]}-{g['ranks'][-1]}, seed {g['seed']}): "
+                         f"{'PASS' if g['passed'] else 'FAIL'}")
+            lines += ["  " + ln for ln in _verdict_lines(g["verdicts"], g["ranks"])]
+    else:
+        lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
         lines += _verdict_lines(result["recomputed_verdicts"])
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
-    verdict = "PASS" if result["passed"] else "FAIL"
     verdicts = result["verdicts"] + result.get("recomputed_verdicts", [])
     failed = sorted({v["tensor"] for v in verdicts if fails_the_run(v)})
     diagnostic = sorted({v["tensor"] for v in verdicts if v.get("diagnostic") and not v["passed"]})
     shown = f" (diagnostic, not counted: {', '.join(diagnostic)} FAIL)" if diagnostic else ""
-    lines.append(f"VERDICT: {verdict}" + (f" {failed}" if failed else "") + shown + f" ({result['wall_s']:.1f}s)")
+    groups = [g["group"] for g in result.get("groups", []) if not g["passed"]]
+    where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}" if groups else ""
+    lines.append(f"VERDICT: {verdict(result)}" + (f" {failed}{where}" if failed else "") + shown
+                 + f" ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
 
 
@@ -129,6 +150,26 @@ def _verdict_word(verdict: dict) -> str:
     return f"{word} (diagnostic)" if verdict.get("diagnostic") else word
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def bench_lines(bench: dict) -> list[str]:
+    """The benchmark in one line (the round's slowest rank), plus the stages' share when timed."""
+    lines = [f"bench: {bench['rounds']} rounds after {bench['warmup']} warm-up, slowest rank per round: "
+             f"min {_ms(bench['min_s'])} | median {_ms(bench['median_s'])} | mean {_ms(bench['mean_s'])} | "
+             f"max {_ms(bench['max_s'])}"]
+    stages = bench.get("stages")
+    if stages:
+        total = sum(s["median_s"] for s in stages) or 1.0
+        cells = [f"{s['stage']}{' (collective)' if s['collective'] else ''} {_ms(s['median_s'])} "
+                 f"{100 * s['median_s'] / total:.0f}%" for s in stages]
+        lines.append("  stages (median of the slowest rank): " + " | ".join(cells))
+    if bench.get("profiles"):
+        lines.append(f"  profiles: {', '.join(bench['profiles'])}")
+    return lines
+
+
 def _reference_line(result: dict) -> str:
     if result.get("reference") == "snapshot":
         return f"reference: snapshot {result['golden_data']}/out"
@@ -139,14 +180,17 @@ def _reference_line(result: dict) -> str:
     return f"reference: golden{cached}{saved}{problems}"
 
 
-def _verdict_lines(verdicts: list[dict]) -> list[str]:
+def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) -> list[str]:
+    """The verdicts' table; `global_ranks`: a TP group's ranks in the world, named beside the
+    group's own rank numbers."""
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
     for v in verdicts:
         f = v.get("figures", {})
         rows.append([v["tensor"], "all", _verdict_word(v), _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")),
                      comparator_text(v)])
         for pr in v.get("per_rank", []):
-            rows.append(["", str(pr["rank"]), "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
+            rank = str(pr["rank"]) if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
+            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
     lines = table_lines(rows)
     for v in verdicts:
         if not v["passed"]:

@@ -26,25 +26,37 @@ import traceback
 import torch
 
 from launcher.config.spec import RunSpec
+from launcher.config.tolerance import fails_the_run
 
 # The exit status of a run: every compared tensor passed, a mismatch, anything else (an
 # invalid config, a crashed or hung rank, an implementation that broke the contract).
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
-def exit_code(result: dict) -> int:
-    """0 PASS, 1 FAIL; 2 for a result that is not a verdict (error, config-error, skipped)."""
+def verdict(result: dict) -> str:
+    """PASS / FAIL; UNCHECKED for a performance-only run (golden=false: nothing was compared);
+    ERROR for a run that failed or was refused; SKIP for a fail_fast skip."""
+    if result["status"] == "skipped":
+        return "SKIP"
     if result["status"] != "ok":
-        return EXIT_ERROR
-    return EXIT_PASS if result["passed"] else EXIT_FAIL
+        return "ERROR"
+    if result.get("unchecked"):
+        return "UNCHECKED"
+    return "PASS" if result["passed"] else "FAIL"
+
+
+def exit_code(result: dict) -> int:
+    """0 PASS (and UNCHECKED: a performance-only run that ran), 1 FAIL, 2 anything else."""
+    return {"PASS": EXIT_PASS, "UNCHECKED": EXIT_PASS, "FAIL": EXIT_FAIL}.get(verdict(result), EXIT_ERROR)
 
 
 def write_result(output_dir: str, result: dict, job: dict | None = None) -> None:
     """result.json, written whole or not at all; a sweep's job carries its `job` entry
     (`launcher.report.sweep.job_entry`)."""
     os.makedirs(output_dir, exist_ok=True)
+    result = {**result, "verdict": verdict(result)}
     if job is not None:
-        result = {**result, "job": job}
+        result["job"] = job
     path = os.path.join(output_dir, "result.json")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -73,22 +85,50 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
         return result
     r = rank_result
     result["node_rank"] = spec.node_rank
-    if r["comparisons"] is None:  # a node without rank 0: the verdict rank 0 broadcast
+    if not r["reporting"]:  # a node without rank 0: the verdict rank 0 broadcast
         result.update(status="ok", passed=bool(r["passed"]), verdicts=[], compared_on_node=0)
+        if r["passed"] is None:
+            result.update(passed=False, unchecked=True)
         return result
-    # The primary reference is the snapshot when one is replayed, else the computed golden.
-    primary = "snapshot" if "snapshot" in r["comparisons"] else "golden"
     result.update(
-        status="ok", passed=bool(r["passed"]), reference=primary, verdicts=r["comparisons"][primary],
-        rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
+        status="ok", rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
         golden_cache_problems=r["golden_cache_problems"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
         golden_data=spec.golden_data, save_data=spec.save_data,
     )
-    if r.get("bisect") is not None:
-        result["bisect"] = r["bisect"]
-    if primary == "snapshot" and "golden" in r["comparisons"]:
-        result["recomputed_verdicts"] = r["comparisons"]["golden"]
+    if r.get("bench") is not None:
+        result["bench"] = r["bench"]
+    groups = [_group_entry(g) for g in r["groups"]]
+    if groups[0]["verdicts"] is None:  # golden=false: a performance-only run, nothing compared
+        result.update(passed=False, unchecked=True, reference=None, verdicts=[])
+        return result
+    # The top level is the first group that did not pass (group 0 when all did); with several
+    # TP groups, `groups` holds each group's own verdicts.
+    shown = next((g for g in groups if not g["passed"]), groups[0])
+    result.update(passed=all(g["passed"] for g in groups), reference=shown["reference"], verdicts=shown["verdicts"])
+    for key in ("recomputed_verdicts", "bisect"):
+        if key in shown:
+            result[key] = shown[key]
+    if spec.dp > 1:
+        result["groups"] = groups
     return result
+
+
+def _group_entry(group: dict) -> dict:
+    """One TP group's verdicts: against the snapshot when one is replayed, else the computed
+    golden (the recomputed golden beside a snapshot as `recomputed_verdicts`)."""
+    entry = {"group": group["group"], "ranks": group["ranks"], "seed": group["seed"]}
+    comparisons = group["comparisons"]
+    if comparisons is None:
+        return {**entry, "passed": None, "reference": None, "verdicts": None}
+    primary = "snapshot" if "snapshot" in comparisons else "golden"
+    verdicts = comparisons[primary]
+    entry.update(reference=primary, verdicts=verdicts,
+                 passed=not any(fails_the_run(v) for vs in comparisons.values() for v in vs))
+    if primary == "snapshot" and "golden" in comparisons:
+        entry["recomputed_verdicts"] = comparisons["golden"]
+    if group.get("bisect") is not None:
+        entry["bisect"] = group["bisect"]
+    return entry
 
 
 # -- results of runs that never reached the ranks ----------------------------------------------

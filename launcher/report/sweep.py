@@ -33,14 +33,12 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
 from launcher.report.console import comparator_text, fmt, table_lines
-from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
+from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, verdict
 
-# A job's verdict by its result status; an "ok" run is PASS or FAIL by its comparisons.
-VERDICTS = {"ok": None, "error": "ERROR", "config-error": "ERROR", "skipped": "SKIP"}
-SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP"}
+SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP", "unchecked": "UNCHECKED"}
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
 # which already decides the sweep's status.
-EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS}
+EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS, "UNCHECKED": EXIT_PASS}
 
 
 # -- one row per job ---------------------------------------------------------------------------
@@ -65,6 +63,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         return row
     case = result["case"]
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
+    row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
     failed = [v for v in verdicts if fails_the_run(v)]
@@ -84,8 +83,10 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         n_bad=figures.get("n_bad"),
         numel=figures.get("numel"),
     )
-    row["verdict"] = VERDICTS.get(result["status"], "ERROR") or ("PASS" if result["passed"] else "FAIL")
+    row["verdict"] = verdict(result)
     row["exit_code"] = EXIT_CODES[row["verdict"]]
+    if result.get("bench"):
+        row["bench_median_s"] = result["bench"]["median_s"]
     if result["status"] != "ok":
         e = result["error"]
         # Named once: a message that already says which rank or stage is kept as it is.
@@ -110,16 +111,22 @@ def _starts_text(start_pos) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
-    head = ["job", "layer", "scope", "model", "tp", "local_t", "start_pos", "verdict", "tensor", "max|diff|", "bad", "wall_s"]
-    cells = [head]
+    grouped = any((r.get("dp") or 1) > 1 for r in rows)
+    head = ["job", "layer", "scope", "model", "tp", *(["dp"] if grouped else []), "local_t", "start_pos", "verdict",
+            "tensor", "max|diff|", "bad", "wall_s"]
+    benched = any(r.get("bench_median_s") is not None for r in rows)
+    cells = [head + ["bench_ms"] if benched else head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
         cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
-                      fmt(r.get("local_t")), _starts_text(r.get("start_pos")), r["verdict"], fmt(r.get("tensor")),
-                      fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
+                      *([fmt(r.get("dp"))] if grouped else []), fmt(r.get("local_t")), _starts_text(r.get("start_pos")),
+                      r["verdict"], fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
+        if benched:
+            median = r.get("bench_median_s")
+            cells[-1].append(fmt(median * 1e3) if median is not None else "-")
     lines = table_lines(cells)
     for r in rows:
-        if r["verdict"] != "PASS":
+        if r["verdict"] not in ("PASS", "UNCHECKED"):
             lines.append(f"job {r['job']} {r['verdict']}: {r['message']}  ({r['output_dir']})")
     return lines
 
@@ -156,6 +163,9 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
             el.text = _xml_text(r.get("traceback") or r["message"])
         elif r["verdict"] == "SKIP":
             ET.SubElement(tc, "skipped", {"message": _xml_text(r["message"])})
+        if r.get("bench_median_s") is not None:
+            props = ET.SubElement(tc, "properties")
+            ET.SubElement(props, "property", {"name": "bench_median_s", "value": repr(r["bench_median_s"])})
         out = ET.SubElement(tc, "system-out")
         out.text = f"output_dir: {r['output_dir']}"
     ET.indent(root)
@@ -272,7 +282,8 @@ def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
     _write_json(os.path.join(sweep_dir, "summary.json"), summary)
     junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
     print("\n".join(table(rows)))
-    print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+    unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
+    print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors{unchecked}, "
           f"{counts['skipped']} skipped of {len(rows)}{' (interrupted)' if interrupted else ''}; "
           f"summary.json and junit.xml in {sweep_dir}")
     return exit_status(rows)

@@ -46,11 +46,12 @@ def at_stage_start(fault: Fault | None, stage: str, rank: int) -> None:
             time.sleep(3600)
 
 
-def on_outputs(fault: Fault | None, rank: int, outputs: dict[str, torch.Tensor], seq: int) -> None:
-    """Injects an output fault (nan, corrupt) into this rank's x_out, in place."""
+def on_outputs(fault: Fault | None, rank: int, outputs: dict[str, torch.Tensor], output: str, seq: int) -> None:
+    """Injects an output fault (nan, corrupt) into the first `seq` rows of this rank's layer
+    output (`output`: x_out, or the MoE layer's x_next), in place."""
     if fault is None or fault.rank != rank or fault.kind not in OUTPUT_KINDS:
         return
-    rows = outputs["x_out"][:seq]
+    rows = outputs[output][:seq]
     if fault.kind == "nan":
         rows.fill_(float("nan"))
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import tempfile
 
 # Imported by the forkserver once, so that each rank starts without re-importing torch.
 PRELOAD = ["torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "layers.registry", "layers.tp",
@@ -36,10 +37,24 @@ def use_standard_start_method(start_method: str) -> None:
         multiprocessing.set_start_method(start_method, force=True)
 
 
+# The forkserver listens on an AF_UNIX socket at <temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX,
+# and such a path holds at most 107 bytes; cluster jobs often get a long TMPDIR.
+_SOCKET_PATH_MAX = 107
+_SOCKET_SUFFIX_LEN = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
+def _fit_socket_path() -> None:
+    """Put this process's temp files under /tmp when the forkserver's socket would not fit
+    under the temp dir it was given, rather than fail to start any rank."""
+    if len(tempfile.gettempdir()) + _SOCKET_SUFFIX_LEN > _SOCKET_PATH_MAX and os.access("/tmp", os.W_OK):
+        tempfile.tempdir = "/tmp"
+
+
 def start() -> None:
     """Start the forkserver (once per process; later calls find it running). The environment
     is set first: the server, and every rank forked from it, inherit it as it is now."""
     use_standard_start_method("forkserver")
+    _fit_socket_path()
     set_reproducible_cpu_env()
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()

@@ -84,8 +84,8 @@ def run_id_of(spec: RunSpec) -> str:
     """Unique per single-node run; for multi-node, the same on every node (from the shared config)."""
     c = spec.case
     if spec.nnodes == 1:
-        return f"{c.layer}-tp{c.tp}-{uuid.uuid4().hex[:8]}"
-    return f"{c.layer}-tp{c.tp}-{spec.master_addr.replace('.', '-')}-{spec.master_port}"
+        return f"{c.layer}-{c.group_size}r-{uuid.uuid4().hex[:8]}"
+    return f"{c.layer}-{c.group_size}r-{spec.master_addr.replace('.', '-')}-{spec.master_port}"
 
 
 def _rank_log_dir(log_root: str, run_id: str, local_rank: int) -> str | None:
@@ -236,5 +236,5 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     # The comparing rank (global rank 0) returns the full result; every other rank returns
     # the verdict rank 0 broadcast, which is all a node without rank 0 reports.
     results = [r for r in results.values() if r is not None]
-    full = [r for r in results if r.get("comparisons") is not None]
+    full = [r for r in results if r.get("reporting")]
     return LaunchOutcome(result=(full or results)[0], failure=None, log_dir=log_root)

@@ -30,12 +30,12 @@ def preflight(cfg: DictConfig, output_dir: str, overrides: Sequence[str] | None 
     the run's override strings (what the user gave explicitly; None: every key as composed)."""
     spec = validated_spec(cfg, output_dir, overrides=overrides, describe_snapshot=snapshot_case.describe)
     if spec.golden_data:
-        snapshot.check(spec.golden_data, spec.layer.tensor_specs(spec.case), spec.case.tp)
+        snapshot.check(spec.golden_data, spec.layer.tensor_specs(spec.case), spec.case.group_size)
     if spec.save_data and spec.node_rank == 0:  # rank 0, on node 0, writes it
         snapshot.check_save_target(spec.save_data, spec.save_overwrite, spec.golden_data)
     for check in spec.layer.checks(spec.case):  # a tolerance a comparator refuses, before launch
         try:
-            build_comparator(spec.tolerances.apply(check)[0], mapping_shape=(spec.case.tp, spec.case.local_t),
+            build_comparator(spec.tolerances.apply(check)[0], mapping_shape=(spec.case.group_size, spec.case.local_t),
                              leading_rank_axis=True)
         except ValueError as e:
             raise ConfigError(f"tolerance of {check.output}: {e}") from e

@@ -23,6 +23,7 @@ traceback for the launcher's failure report.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -48,7 +49,8 @@ from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
 from launcher.config.tolerance import fails_the_run
-from launcher.run import devices, faults, forkserver
+from launcher.run import bench, devices, faults, forkserver
+from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.store import golden_cache, snapshot
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
@@ -134,68 +136,74 @@ def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int,
     return gathered
 
 
+def _with_inouts_cloned(layer, case, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rank's inputs with its in-out tensors cloned: the golden updates those in place and
+    must leave the implementation's copies as they were (it runs first, so the pure inputs are
+    pristine)."""
+    inout = set(layer.names_of(case, Kind.INOUT))
+    return {n: t.clone() if n in inout else t for n, t in inputs.items()}
+
+
 def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dict[str, torch.Tensor]:
     """The golden of this rank's shard: the TP1 layer with full O weights, on the rank's inputs
-    with its in-out tensors cloned (the golden updates those in place and must leave the
-    implementation's copies as they were; it runs first, so the pure inputs are pristine)."""
-    inout = set(layer.names_of(case, Kind.INOUT))
-    tensors = {n: t.clone() if n in inout else t for n, t in inputs.items()}
+    (`_with_inouts_cloned`)."""
+    tensors = _with_inouts_cloned(layer, case, inputs)
     if layer.sharded_o_weights:
         tensors["wo_a"], tensors["wo_b"] = wo_full
     out = layer.golden(case, tensors)
     return {n: out[n] for n in layer.compared_names(case)}
 
 
-def golden_is_computed(spec: RunSpec, layer, rank: int) -> bool:
+def golden_is_computed(spec: RunSpec, layer, case, rank: int) -> bool:
     """Whether this rank computes a golden with full O weights from its own fixture (so the
     fixture builds them with the shard) rather than replaying or reading the cache."""
-    if spec.golden_data or not layer.sharded_o_weights:
+    if spec.golden_data or not spec.golden or not layer.sharded_o_weights:
         return False
     if spec.golden_cache is None:
         return True
-    return not golden_cache.exists(spec.golden_cache, golden_cache.identity(spec.case, rank, spec.threads()))
+    return not golden_cache.exists(spec.golden_cache, golden_cache.identity(case, rank, spec.threads()))
 
 
-def cached_golden(spec: RunSpec, layer, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """`(golden, cache status)`: the golden from the on-disk cache when a whole entry of its
-    identity is there (status "hit"), else computed and stored (None, or why the cache could
-    not be written: the run goes on with the computed golden). `wo_full`: the full O weights
-    when the fixture built them already."""
+def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """`(golden, cache status)` of `case` on group rank `rank`: from the on-disk cache when a
+    whole entry of its identity is there (status "hit"), else computed and stored (None, or why
+    the cache could not be written: the run goes on with the computed golden). `wo_full`: the
+    full O weights when the fixture built them already."""
     def full_o_weights():
         if not layer.sharded_o_weights:
             return None
         if spec.golden_data is not None:  # replay: the full O weights are the snapshot's shards
             return snapshot.full_o_weights(spec.golden_data)
-        return wo_full if wo_full is not None else layer.full_o_weights(spec.case)
+        return wo_full if wo_full is not None else layer.full_o_weights(case)
 
     if spec.golden_data is not None or spec.golden_cache is None:
-        return golden_outputs(layer, spec.case, inputs, full_o_weights()), None
-    specs = layer.tensor_specs(spec.case)
-    ident = golden_cache.identity(spec.case, rank, spec.threads())
-    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(spec.case)})
+        return golden_outputs(layer, case, inputs, full_o_weights()), None
+    specs = layer.tensor_specs(case)
+    ident = golden_cache.identity(case, rank, spec.threads())
+    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(case)})
     if hit is not None:
         return hit, "hit"
-    outputs = golden_outputs(layer, spec.case, inputs, full_o_weights())
+    outputs = golden_outputs(layer, case, inputs, full_o_weights())
     problem = golden_cache.store(spec.golden_cache, ident, outputs)
     if problem:
         log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
     return outputs, f"not written: {problem}" if problem else None
 
 
-def compare(spec: RunSpec, layer, actual: dict, golden: dict, context: dict) -> list[dict]:
-    """Every check of the layer, in its validation order, on the stacked [tp, ...] tensors, with
-    the run's tolerances (a diagnostic check is judged and reported, and never fails the run)."""
-    case = spec.case
+def compare(case, tolerances, layer, actual: dict, golden: dict, context: dict) -> list[dict]:
+    """Every check of the layer, in its validation order, on one group's stacked [size, ...]
+    tensors, with the run's tolerances (a diagnostic check is judged and reported, and never
+    fails the run)."""
     inputs = dict(context)  # slot mappings and, under initial_key(name), the pre-step pools
     inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
     verdicts = []
     for default in layer.checks(case):
-        check, overridden = spec.tolerances.apply(default)
-        cmp = build_comparator(check, mapping_shape=(case.tp, case.local_t), leading_rank_axis=True)
+        check, overridden = tolerances.apply(default)
+        cmp = build_comparator(check, mapping_shape=(case.group_size, case.local_t), leading_rank_axis=True)
         v = cmp.evaluate(
             actual[check.output], golden[check.output], inputs=inputs, actual_outputs=actual, expected_outputs=golden
         )
-        verdict = {"tensor": check.output, **v.to_dict(), "diagnostic": check.output in spec.tolerances.diagnostic,
+        verdict = {"tensor": check.output, **v.to_dict(), "diagnostic": check.output in tolerances.diagnostic,
                    "overridden": overridden}
         if not v.passed:  # where the errors are: per rank x row block / head group / page
             verdict["where"] = where.error_maps(
@@ -215,22 +223,23 @@ def rank_main(spec: RunSpec):
             ifname = devices.interface_of(devices.local_address_towards(spec.master_addr))
             if ifname:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname  # the interface that reaches node 0
-    rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _setup_logging(rank)
     # A rank that outlives its deadline (hung outside any collective) dumps every thread's
     # stack into its stderr log and exits, so a run can never hang forever.
     faulthandler.dump_traceback_later(spec.deadline_s, exit=True)
     forkserver.set_reproducible_cpu_env()  # under an external torchrun nothing set it before
-    case = spec.case
-    if tp != case.tp:
-        raise RuntimeError(f"WORLD_SIZE={tp} but the config asks for tp={case.tp}")
+    if world != spec.world:
+        raise RuntimeError(f"WORLD_SIZE={world} but the config asks for {spec.world} ranks "
+                           f"(dp={spec.dp} groups of {spec.case.group_size})")
     torch.set_num_threads(spec.threads())
     backend = devices.resolve_backend(spec.backend)
     os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s))
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
-    check_nodes_agree(spec, rank)
-    result = _run(spec, rank, device)
+    check_nodes_agree(spec)
+    layout = GroupLayout(spec.dp, spec.case.group_size, rank)
+    result = _run(spec, layout, tp_process_group(layout), device)
     faulthandler.cancel_dump_traceback_later()
     # Not in a `finally`: a failing rank must record its error before its sockets close, or a
     # peer that sees the closed connection could be reported first.
@@ -243,11 +252,11 @@ class ReferenceFailed(RuntimeError):
     implementation runs."""
 
 
-def stop_unless_every_reference_was_made(failure: Exception | None, rank: int, tp: int) -> None:
+def stop_unless_every_reference_was_made(failure: Exception | None, rank: int, world: int) -> None:
     """A golden that fails stops the run before any rank runs the implementation (the reference
     runner's rule, validation.md §3 step 3): the ranks agree first. The failing rank raises its
     own error, every other rank a `ReferenceFailed` naming it."""
-    failed = [None] * tp
+    failed = [None] * world
     dist.all_gather_object(failed, failure is not None)
     if failure is not None:
         raise failure
@@ -262,17 +271,14 @@ class ConfigMismatch(RuntimeError):
 
 def fingerprint(spec: RunSpec) -> dict:
     """What every node of a run must agree on."""
-    c = spec.case
-    return {
-        "layer": c.layer, "model": c.model.fields(), "tp": c.tp, "local_t": c.local_t, "seed": c.seed,
-        "start_pos": c.start_pos, "impl": spec.impl, "nnodes": spec.nnodes, "tool_version": snapshot.tool_version(),
-    }
+    return {**spec.case.describe(), "model": spec.case.model.fields(), "dp": spec.dp, "impl": spec.impl,
+            "nnodes": spec.nnodes, "tool_version": snapshot.tool_version()}
 
 
-def check_nodes_agree(spec: RunSpec, rank: int) -> None:
+def check_nodes_agree(spec: RunSpec) -> None:
     """At rendezvous: refuse, on every rank, a run whose nodes disagree on the config."""
     mine = {"node": spec.node_rank, "host": socket.gethostname(), "config": fingerprint(spec)}
-    everyone = [None] * spec.case.tp
+    everyone = [None] * spec.world
     dist.all_gather_object(everyone, mine)
     ref = everyone[0]
     for other in everyone[1:]:
@@ -286,9 +292,11 @@ def check_nodes_agree(spec: RunSpec, rank: int) -> None:
             )
 
 
-def _run(spec: RunSpec, rank: int, device: torch.device):
-    case = spec.case
-    tp = case.tp
+def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
+    """One rank's run; `layout` places it in its TP group, `group` is that group's process
+    group. Everything the harness gathers goes to global rank 0 over the world group."""
+    case = spec.case.of_group(layout.group)
+    rank, grank, world = layout.rank, layout.group_rank, layout.world
     layer = spec.layer
     timer = RankStageTimer(rank, spec.output_dir, spec.fault)
     specs = layer.tensor_specs(case)
@@ -299,76 +307,122 @@ def _run(spec: RunSpec, rank: int, device: torch.device):
     with timer.stage("fixture"):
         wo_full = None
         if spec.golden_data:
-            inputs = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs)
-        elif golden_is_computed(spec, layer, rank):  # the O weights drawn once for both
-            inputs, wo_full = layer.rank_inputs_and_full_o(case, rank)
+            inputs = snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs)
+        elif golden_is_computed(spec, layer, case, grank):  # the O weights drawn once for both
+            inputs, wo_full = layer.rank_inputs_and_full_o(case, grank)
         else:
-            inputs = layer.rank_inputs(case, rank)
+            inputs = layer.rank_inputs(case, grank)
         impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
-    failure = None
-    try:
-        with timer.stage("golden"):
-            references, cache_status = {}, None
-            if spec.golden_data:
-                references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, rank, specs)
-            if not spec.golden_data or spec.recompute_golden:
-                references["golden"], cache_status = cached_golden(spec, layer, inputs, rank, wo_full)
-            del wo_full
-            context = {n: inputs[n].clone() for n in mappings}
-            context.update({initial_key(n): inputs[n].clone() for n in inout})
-    except Exception as e:  # raised once every rank has heard of it
-        failure = e
-    stop_unless_every_reference_was_made(failure, rank, tp)
+    ctx = RankContext(case=case, rank=grank, device=device, group=group, global_rank=rank, group_index=layout.group)
+    references, cache_status, context = {}, None, {}
+    if spec.golden:
+        failure = None
+        try:
+            with timer.stage("golden"):
+                if spec.golden_data:
+                    references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, grank, specs)
+                if not spec.golden_data or spec.recompute_golden:
+                    if layer.golden_per_rank:
+                        references["golden"], cache_status = cached_golden(spec, layer, case, inputs, grank, wo_full)
+                    else:  # computed by the group together (the harness's collectives, never the impl's)
+                        golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
+                        references["golden"] = layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
+                context = {n: inputs[n].clone() for n in mappings}
+                context.update({initial_key(n): inputs[n].clone() for n in inout})
+        except Exception as e:  # raised once every rank has heard of it
+            failure = e
+        stop_unless_every_reference_was_made(failure, rank, world)
+    del wo_full
     if spec.save_data:
         with timer.stage("save"):
-            stacked_in = gather_to_rank0(inputs, in_names, rank, tp, device)
-            stacked_out = gather_to_rank0(next(iter(references.values())), compared, rank, tp, device)
+            stacked_in = gather_to_rank0(inputs, in_names, rank, world, device)
+            stacked_out = gather_to_rank0(next(iter(references.values())), compared, rank, world, device)
             if rank == 0:
-                snapshot.save(spec.save_data, case, specs, stacked_in, stacked_out, _starts(stacked_in, case))
+                for g, (ins, outs) in enumerate(zip(by_group(stacked_in, layout), by_group(stacked_out, layout))):
+                    folder = spec.save_data if layout.dp == 1 else os.path.join(spec.save_data, f"group{g}")
+                    group_case = spec.case.of_group(g)
+                    snapshot.save(folder, group_case, specs, ins, outs, _starts(ins, group_case))
             del stacked_in, stacked_out
     with timer.stage("layer"):
         tensors = {n: t.to(device) for n, t in inputs.items()}
-        outputs = impl(RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD), tensors)
-        faults.on_outputs(spec.fault, rank, outputs, case.seq)
+        # The benchmark restores the in-out tensors to their values before the step.
+        pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
+        outputs = impl(ctx, tensors)
+        faults.on_outputs(spec.fault, rank, outputs, layer.names_of(case, Kind.OUTPUT)[0], case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with timer.stage("gather"):
-        del tensors, inputs  # what the outputs do not alias is freed before rank 0 stacks
+        if not spec.bench:
+            del tensors  # what the outputs do not alias is freed before rank 0 stacks
+        del inputs
         release_freed_memory()  # glibc keeps freed heap resident; the stacks are new mappings
-        actual = gather_to_rank0(outputs, compared, rank, tp, device)
+        actual = gather_to_rank0(outputs, compared, rank, world, device)
         del outputs
-        expected = {src: gather_to_rank0(ref, compared, rank, tp, device) for src, ref in references.items()}
-        context = gather_to_rank0(context, sorted(context), rank, tp, device)
-        stats = [None] * tp if rank == 0 else None
-        dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
-                           stats, dst=0)
-    comparisons = None
-    if rank == 0:
+        expected = {src: gather_to_rank0(ref, compared, rank, world, device) for src, ref in references.items()}
+        context = gather_to_rank0(context, sorted(context), rank, world, device)
+    bench_figures = None
+    if spec.bench:
+        with timer.stage("bench"):
+            trace = os.path.join(spec.output_dir, "profile", f"rank{rank}.json") if spec.bench.profile else None
+            if trace:
+                os.makedirs(os.path.dirname(trace), exist_ok=True)
+            times = bench.run_rounds(impl, ctx, tensors, pristine, spec.bench, trace)
+            del tensors, pristine
+            every = [None] * world if rank == 0 else None
+            dist.gather_object(times, every, dst=0)
+            if rank == 0:
+                bench_figures = bench.summarize(spec.bench, every)
+                if trace:
+                    bench_figures["profiles"] = [os.path.join("profile", f"rank{r}.json") for r in range(world)]
+    stats = [None] * world if rank == 0 else None
+    dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
+                       stats, dst=0)
+    comparisons = None  # by group: {reference: verdicts}
+    if rank == 0 and spec.golden:
         with timer.stage("compare"):
-            comparisons = {src: compare(spec, layer, actual, ref, context) for src, ref in expected.items()}
-    # Every rank learns the verdict, so every node exits with rank 0's verdict code.
-    verdict = [not any(fails_the_run(v) for vs in comparisons.values() for v in vs) if rank == 0 else None]
+            actual_g, context_g = by_group(actual, layout), by_group(context, layout)
+            expected_g = {src: by_group(e, layout) for src, e in expected.items()}
+            comparisons = [
+                {src: compare(spec.case.of_group(g), spec.tolerances, layer, actual_g[g], expected_g[src][g], context_g[g])
+                 for src in expected}
+                for g in range(layout.dp)
+            ]
+    # Every rank learns the verdict (None: nothing was compared), so every node exits with rank
+    # 0's verdict code.
+    verdict = [_passed(comparisons) if comparisons is not None else None]
     dist.broadcast_object_list(verdict, src=0)
     located = None
     if spec.bisect and not verdict[0]:
         with timer.stage("bisect"):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
-            fresh = snapshot.load_rank(spec.golden_data, "in", in_names, rank, specs) if spec.golden_data else layer.rank_inputs(case, rank)
-            ctx = RankContext(case=case, rank=rank, device=device, group=dist.group.WORLD)
-            located = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
+            fresh = (snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs) if spec.golden_data
+                     else layer.rank_inputs(case, grank))
+            merged = bisect.gather_bisect(ctx, bisect.bisect_rank(layer, ctx, fresh, impl))
+            located = [None] * world if rank == 0 else None
+            dist.gather_object(merged, located, dst=0)  # each group's rank 0 holds its group's report
+            if rank == 0:
+                located = [located[g * layout.tp] for g in range(layout.dp)]
     if rank != 0:
-        return {"passed": verdict[0], "comparisons": None}
+        return {"reporting": False, "passed": verdict[0], "comparisons": None}
     stats[0].update(seconds=timer.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
     return {
+        "reporting": True,  # rank 0: compared and holds every rank's figures
         "passed": verdict[0],
-        "bisect": located,
-        "comparisons": comparisons,
+        "groups": [{"group": g, "ranks": layout.ranks_of(g), "seed": spec.case.of_group(g).seed,
+                    "comparisons": comparisons[g] if comparisons is not None else None,
+                    "bisect": located[g] if located is not None else None} for g in range(layout.dp)],
+        "bench": bench_figures,
         "rank_seconds": [s["seconds"] for s in stats],
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache"] == "hit"],
         "golden_cache_problems": sorted({s["golden_cache"] for s in stats if s["golden_cache"] not in (None, "hit")}),
         "rank_peak_rss_mib": [s["peak_rss_mib"] for s in stats],
     }
+
+
+def _passed(comparisons: list[dict]) -> bool:
+    """No check fails the run (a diagnostic one never does)."""
+    return not any(fails_the_run(v) for by_ref in comparisons for vs in by_ref.values() for v in vs)
 
 
 @functools.cache
@@ -396,4 +450,4 @@ def peak_rss_mib() -> float:
 def _starts(stacked_inputs: dict, case) -> list | None:
     """Each rank's request start positions (the first position of every request)."""
     pos = stacked_inputs.get("position_ids")
-    return pos.reshape(case.tp, -1)[:, :: case.seq].tolist() if pos is not None else None
+    return pos.reshape(case.group_size, -1)[:, :: case.seq].tolist() if pos is not None else None

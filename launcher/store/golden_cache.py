@@ -50,13 +50,8 @@ def code_version() -> str:
 
 def identity(case: Case, rank: int, threads: int) -> dict:
     return {
-        "layer": case.layer,
-        "scope": case.scope,
+        **case.describe(),
         "model": case.model.fields(),
-        "tp": case.tp,
-        "local_t": case.local_t,
-        "seed": case.seed,
-        "start_pos": list(case.start_pos) if isinstance(case.start_pos, tuple) else case.start_pos,
         "rank": rank,
         "threads": threads,
         "torch": torch.__version__,
@@ -73,7 +68,8 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 def _entry(root: str, ident: dict) -> Path:
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
-    return Path(root) / f"{ident['layer']}-tp{ident['tp']}-r{ident['rank']}-{key}.pt"
+    size = f"tp{ident['tp']}" if "tp" in ident else f"ep{ident.get('ep')}"
+    return Path(root) / f"{ident['layer']}-{size}-r{ident['rank']}-{key}.pt"
 
 
 def exists(root: str, ident: dict) -> bool:

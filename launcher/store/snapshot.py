@@ -292,14 +292,9 @@ def _swap_in(building: str, directory: str, old: str) -> None:
 
 def _manifest(case: Case, starts: list | None, hashes: dict) -> dict:
     return {
-        "layer": case.layer,
-        "scope": case.scope,
+        **case.describe(),
         "model": case.model.name,
         "model_fields": case.model.fields(),
-        "tp": case.tp,
-        "local_t": case.local_t,
-        "seed": case.seed,
-        "start_pos": list(case.start_pos) if isinstance(case.start_pos, tuple) else case.start_pos,
         "start_positions_by_rank": starts,
         "tool_version": tool_version(),
         "torch": torch.__version__,

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from layers.contract.case import Case
+from layers.contract.case import Case, MoECase
 from layers.contract.config import PRESETS, ConfigError, ModelConfig
 from layers.registry import get_scope
 
@@ -38,8 +38,8 @@ from launcher.store.snapshot import Entry
 
 # Names that tell what a snapshot holds, checked in this order (a scope holds some of the
 # layers' names too). MoE: moe.md §3's expert weights, its hash table and output.
-MOE_NAMES = ("x_next", "tid2eid", "routed_w1", "shared_w1")
 KINDS = (
+    ("moe", ("x_next", "tid2eid", "routed_w1", "shared_w1")),
     ("output", ("proj_attention_local_groups", "proj_wo_a")),
     ("collectives", ("kv_group", "kv_local", "attention_local_groups")),
     ("csa", ("idx_kv_cache", "idx_kv_scale", "inner_compress_state", "idx_wq_b")),
@@ -48,7 +48,8 @@ KINDS = (
 )
 SCOPE_KINDS = ("output", "collectives")  # the focused scopes whose tensors are their own
 # The file to cite for tp, by what the snapshot holds (first one present).
-TP_ANCHORS = {"output": ("in/q", "out/o_local"), "collectives": ("in/kv_local", "out/o_local")}
+TP_ANCHORS = {"output": ("in/q", "out/o_local"), "collectives": ("in/kv_local", "out/o_local"),
+              "moe": ("in/x_hc", "out/x_next")}
 FULL_TP_ANCHORS = ("in/x_hc", "out/x_out", "in/wo_a")
 
 Rule = tuple[str, tuple[str, ...], Callable[[tuple, int, dict], int]]
@@ -109,6 +110,13 @@ FIELDS: dict[str, tuple[Rule, ...]] = {
         ("qk_rope_head_dim", ("in/freqs_cos",), _axis(-1)),
     ),
     "collectives": (("hidden_size", ("in/kv_local", "out/o_local"), _axis(-1)),),
+    "moe": (
+        ("hidden_size", ("in/x_hc", "out/x_next"), _axis(-1)),
+        ("hc_mult", ("in/x_hc", "out/x_next"), _axis(-2)),
+        ("moe_intermediate_size", ("in/shared_w1", "in/routed_w1"), _axis(-2)),
+        ("vocab_size", ("in/tid2eid",), _axis(1)),
+        ("num_experts_per_tok", ("in/tid2eid",), _axis(-1)),
+    ),
 }
 
 
@@ -118,16 +126,11 @@ def _kind(names: set[str]) -> str | None:
 
 def describe(directory: str) -> SnapshotFacts:
     """Everything `directory` says about its case; ConfigError for a file that is not plain
-    tensor data or a MoE snapshot. An empty folder says nothing (its missing files are named
-    by `snapshot.check`)."""
+    tensor data. An empty folder says nothing (its missing files are named by `snapshot.check`)."""
     if not os.path.isdir(directory):
         raise ConfigError(f"golden_data={directory}: no such directory")
     entries = snapshot.inventory(directory)
     names = {key.split("/", 1)[1] for key in entries}
-    moe = sorted(entries[k].path for k in entries if k.split("/", 1)[1] in MOE_NAMES)
-    if moe:
-        raise ConfigError(f"golden_data={directory} is a MoE snapshot ({', '.join(moe)}): "
-                          f"the launcher replays the attention layers (swa, csa, hca) only")
     manifest = snapshot.read_manifest(directory) or {}
     manifest_path = os.path.join(directory, snapshot.MANIFEST)
     kind = _kind(names)
@@ -138,7 +141,7 @@ def describe(directory: str) -> SnapshotFacts:
         facts["layer"] = _marked(entries, kind)
     tp_fact = _tp(entries, kind)
     if tp_fact is not None:
-        facts["tp"] = tp_fact
+        facts["ep" if kind == "moe" else "tp"] = tp_fact
     tp = tp_fact.value if tp_fact else 1
     fields_kind = kind if kind in SCOPE_KINDS else facts["layer"].value if "layer" in facts else None
     derived = _derived_fields(entries, FIELDS.get(fields_kind, ()), tp)
@@ -151,8 +154,12 @@ def describe(directory: str) -> SnapshotFacts:
     if "seed" in manifest:
         facts["seed"] = Fact(int(manifest["seed"]), manifest_path)
     layer_name = facts["layer"].value if "layer" in facts else "swa"
-    case = Case(layer=layer_name, model=PRESETS["flash"], tp=tp, local_t=local_t.value if local_t else 0, seed=0,
-                scope=facts["scope"].value if "scope" in facts else "full")
+    if layer_name == "moe":
+        facts.update(_moe_scalars(entries))
+        case = MoECase(model=PRESETS["flash"], ep=tp, seed=0)
+    else:
+        case = Case(layer=layer_name, model=PRESETS["flash"], tp=tp, local_t=local_t.value if local_t else 0, seed=0,
+                    scope=facts["scope"].value if "scope" in facts else "full")
     if "model_fields" in manifest:
         model = _manifest_model(manifest["model_fields"], manifest_path)
         model_fields = {n: Fact(v, manifest_path) for n, v in model.fields().items() if n != "name"}
@@ -165,6 +172,16 @@ def describe(directory: str) -> SnapshotFacts:
         starts = _starts(positions, entries.get("in/kv_seq_lens"), (model or PRESETS["flash"]).decode_seq)
         facts["starts"] = Fact(starts, positions.path)
     return SnapshotFacts(directory=directory, model=model, model_fields=model_fields, **facts)
+
+
+def _moe_scalars(entries: dict[str, Entry]) -> dict[str, Fact]:
+    """The MoE case's layer_id and num_tokens, each from its 0-dim int32 file."""
+    facts = {}
+    for key in ("layer_id", "num_tokens"):
+        entry = entries.get(f"in/{key}")
+        if entry is not None:
+            facts[key] = Fact(int(snapshot.load_scalar(entry.path, torch.int32)), entry.path)
+    return facts
 
 
 def _marked(entries: dict[str, Entry], kind: str) -> Fact:
@@ -231,7 +248,7 @@ def _manifest_model(fields: dict, source: str) -> ModelConfig:
         raise ConfigError(f"{source}: its model_fields do not describe a model of this tool ({e})") from e
 
 
-def _select_model(case: Case, derived: dict[str, Fact], entries: dict[str, Entry]) -> ModelConfig:
+def _select_model(case: Case | MoECase, derived: dict[str, Fact], entries: dict[str, Entry]) -> ModelConfig:
     """The first preset with the snapshot's dims whose every tensor fits it, else the closest
     preset given those dims (named "snapshot")."""
     dims = {n: f.value for n, f in derived.items()}
@@ -245,14 +262,14 @@ def _select_model(case: Case, derived: dict[str, Fact], entries: dict[str, Entry
     return next((m for m in presets if _fits(dataclasses.replace(case, model=m), entries)), presets[0])
 
 
-def _fits(case: Case, entries: dict[str, Entry]) -> bool:
+def _fits(case: Case | MoECase, entries: dict[str, Entry]) -> bool:
     """Whether every file present has the shape and dtype `case` gives it."""
     positions = entries.get("in/position_ids")
     try:
         if positions is not None:
             starts = _starts(positions, None, case.model.decode_seq)
             case = dataclasses.replace(case, start_pos=tuple(s for rank in starts for s in rank))
-        if not case.local_t:
+        if isinstance(case, Case) and not case.local_t:
             case = dataclasses.replace(case, local_t=case.capacity)
         specs = get_scope(case.layer, case.scope).tensor_specs(case)
     except (ConfigError, ValueError, IndexError, ZeroDivisionError):
@@ -262,7 +279,7 @@ def _fits(case: Case, entries: dict[str, Entry]) -> bool:
         spec = specs.get(name)
         if spec is None:
             continue
-        want = spec.shape if spec.shape == () else (case.tp, *spec.shape)
+        want = spec.shape if spec.shape == () else (case.group_size, *spec.shape)
         if entry.shape != want or entry.dtype != spec.dtype:
             return False
     return True

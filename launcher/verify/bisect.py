@@ -210,13 +210,13 @@ def merge(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def gather_bisect(ctx: RankContext, result: dict[str, Any]) -> dict[str, Any] | None:
-    """Every rank's `bisect_rank` result merged on rank 0 (None on the other ranks)."""
+    """Every rank's `bisect_rank` result merged on the TP group's rank 0 (None on the others)."""
     if ctx.tp == 1:
         return merge([result])
     import torch.distributed as dist
 
     gathered = [None] * ctx.tp if ctx.rank == 0 else None
-    dist.gather_object(result, gathered, dst=0, group=ctx.group)
+    dist.gather_object(result, gathered, dst=dist.get_global_rank(ctx.group, 0), group=ctx.group)
     return merge(gathered) if ctx.rank == 0 else None
 
 

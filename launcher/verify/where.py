@@ -30,7 +30,7 @@ from layers.contract.checks import Check, PoolCheck, RelDiffCheck
 from launcher.config.resolvers import row_block
 from launcher.verify.ratio import ratio_reldiff
 
-_AXES = {"x_out": ("token", "hc", "channel")}
+_AXES = {"x_out": ("token", "hc", "channel"), "x_next": ("token", "hc", "channel")}
 _POOL_AXES = {3: ("block", "row", "channel"), 4: ("block", "row", "head", "channel")}
 
 

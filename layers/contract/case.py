@@ -9,6 +9,8 @@ active tokens and balanced routing instead of tp, local_t and start positions.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -83,6 +85,24 @@ class Case:
                 f"for model {m.name!r}"
             )
 
+    @property
+    def group_size(self) -> int:
+        """Ranks of the layer's own process group: the TP group."""
+        return self.tp
+
+    def describe(self) -> dict:
+        """The keys that define the step beside the model (result.json's case, manifests)."""
+        sp = self.start_pos
+        return {"layer": self.layer, "scope": self.scope, "tp": self.tp, "local_t": self.local_t, "seed": self.seed,
+                "start_pos": list(sp) if isinstance(sp, tuple) else sp}
+
+    def of_group(self, group: int) -> "Case":
+        """The case of TP group `group` of a dp x tp launch: the same layer, model, tp and
+        local_t, its own fixture. Group 0 is the case itself; a later group draws from a seed
+        derived from (seed, group), so groups hold different data and a mix-up between them
+        shows."""
+        return self if group == 0 else dataclasses.replace(self, seed=group_seed(self.seed, group))
+
     def starts_for_rank(self, rank: int, canonical: list[int]) -> list[int]:
         """The start positions of `rank`'s requests (the spec's resolve rules, per rank)."""
         b = self.batch
@@ -111,6 +131,12 @@ class Case:
                 )
 
 
+def group_seed(seed: int, group: int) -> int:
+    """The fixture seed of a launch's group `group` > 0: derived from (seed, group)."""
+    digest = hashlib.sha256(repr((seed, "tp-group", group)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
+
+
 def row_block(model: ModelConfig) -> int:
     """Tokens of one row block: whole requests in whole 8-row token tiles, lcm(8, decode_seq)."""
     return math.lcm(TOKEN_TILE, model.decode_seq)
@@ -132,6 +158,33 @@ class MoECase:
     num_tokens: int | None = None
     balanced_routing: bool = False
     layer: str = "moe"
+    scope: str = "full"  # the MoE layer has no focused scope
+
+    # -- what every case tells the launcher -------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """Ranks of the layer's own process group: the EP group."""
+        return self.ep
+
+    @property
+    def local_t(self) -> int:
+        """Tokens per rank (the attention layers' local_t): T."""
+        return self.tokens
+
+    @property
+    def seq(self) -> int:
+        """Tokens come one per row, not in requests of decode_seq."""
+        return 1
+
+    start_pos = None  # no positions: the MoE step has no cache
+
+    def describe(self) -> dict:
+        return {"layer": self.layer, "scope": self.scope, "ep": self.ep, "layer_id": self.layer_id,
+                "num_tokens": self.num_tokens, "balanced_routing": self.balanced_routing, "seed": self.seed}
+
+    def of_group(self, group: int) -> "MoECase":
+        """The case of EP group `group` of a launch of several: its own fixture (see Case.of_group)."""
+        return self if group == 0 else dataclasses.replace(self, seed=group_seed(self.seed, group))
 
     @property
     def tokens(self) -> int:

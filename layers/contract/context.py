@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .case import Case
+from .case import Case, MoECase
 from .config import ModelConfig
 
 if TYPE_CHECKING:  # torch.distributed is only needed by the TP code paths.
@@ -24,16 +24,20 @@ StageObserver = Callable[["Stage", Callable[[], dict]], dict]
 
 @dataclass
 class RankContext:
-    """`case`: the run's case; `rank`: this rank in its TP group; `group`: the TP group's
-    process group (None when tp == 1 and none exists); `device`: where the tensors live.
+    """`case`: the case of this rank's TP group; `rank`: this rank in its TP group; `group`:
+    the TP group's process group (None when tp == 1 and none exists); `device`: where the
+    tensors live. With several TP groups in one launch (dp x tp), `global_rank` is the rank in
+    the whole world and `group_index` which TP group this is (ranks g·tp ... g·tp + tp − 1).
     `observe`: set by the harness while it records or times a stage-based implementation's
     stages (bisect, benchmarks); None otherwise."""
 
-    case: Case
+    case: Case | MoECase
     rank: int
     device: torch.device
     group: "ProcessGroup | None" = None
     observe: StageObserver | None = None
+    global_rank: int | None = None  # None: the same as `rank` (one TP group)
+    group_index: int = 0
 
     @property
     def model(self) -> ModelConfig:
@@ -41,7 +45,8 @@ class RankContext:
 
     @property
     def tp(self) -> int:
-        return self.case.tp
+        """Ranks of this rank's group: the TP group (EP group of the MoE layer)."""
+        return self.case.group_size
 
     def single_device(self) -> "RankContext":
         """This rank alone, as the golden runs it: tp = 1, no process group, so every

@@ -31,6 +31,9 @@ class Layer(abc.ABC):
     # local_t is whole requests in whole 8-row tiles; a scope over plain buffer rows (output,
     # collectives) takes any local_t in [1, capacity] (`Case.validate`).
     whole_requests: ClassVar[bool] = True
+    # Each rank computes the golden of its own shard alone (`golden`); a layer whose golden
+    # needs every rank's data (the MoE routes) computes it with its group (`golden_of_group`).
+    golden_per_rank: ClassVar[bool] = True
 
     @abc.abstractmethod
     def validate(self, case: Case) -> None:
@@ -58,6 +61,11 @@ class Layer(abc.ABC):
     def golden(self, case: Case, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The single-device layer on one rank's tensors of `case` with full O weights (the
         reference's TP1 golden on that rank's shard); in-outs updated in place."""
+
+    def golden_of_group(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With `golden_per_rank` False: this rank's golden outputs, computed by every rank of
+        the group together through the harness's own collectives (never the implementation's)."""
+        raise NotImplementedError(f"layer {self.name!r} computes its golden per rank")
 
     @abc.abstractmethod
     def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

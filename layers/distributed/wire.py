@@ -101,10 +101,23 @@ def gather(t: torch.Tensor, rank: int, world: int, group=None, dst: int = 0) -> 
     return stacked.cpu().view(t.dtype).reshape(world, *t.shape)
 
 
+def broadcast(t: torch.Tensor | None, shape, dtype: torch.dtype, rank: int, world: int, group=None,
+              src: int = 0) -> torch.Tensor:
+    """Rank `src`'s tensor `t` (of `shape`, `dtype`; None on the other ranks) on every rank."""
+    if world == 1:
+        return t
+    import torch.distributed as dist
+
+    out = t.contiguous() if rank == src else torch.empty(shape, dtype=dtype)
+    wire = out.reshape(-1).view(torch.uint8)
+    dist.broadcast(wire, src=_global(group, src), group=group)
+    return out
+
+
 def _global(group, rank: int) -> int:
     import torch.distributed as dist
 
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
-__all__ = ["all_to_all", "all_to_all_v", "all_gather", "gather"]
+__all__ = ["all_to_all", "all_to_all_v", "all_gather", "gather", "broadcast"]
