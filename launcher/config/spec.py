@@ -251,7 +251,8 @@ def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str]
     """
     given = given_keys(cfg, overrides)
     facts = None
-    if cfg.golden_data and describe_snapshot is not None:
+    # A replay is of one group: with dp != 1, run_spec refuses it before any file is read.
+    if cfg.golden_data and describe_snapshot is not None and int(cfg.dp) == 1:
         facts = describe_snapshot(_path(cfg.golden_data))
         # The snapshot's layer decides which keys the case takes (tp or ep): read it first.
         layer = replayed_layer(str(cfg.layer.name), facts, given)

@@ -33,8 +33,8 @@ def table_lines(rows: list[list[str]]) -> list[str]:
 def snapshot_line(snapshot: dict, case: dict) -> str:
     """The case a replay read from its snapshot, and which keys it read there."""
     read = snapshot["read"]
-    shown = " ".join(f"{k}={case.get(k)}" for k in ("layer", "scope", "model", "tp", "ep", "local_t", "layer_id", "num_tokens",
-                                                        "start_pos", "seed") if k in case)
+    keys = ("layer", "scope", "model", "tp", "ep", "local_t", "layer_id", "num_tokens", "start_pos", "seed")
+    shown = " ".join(f"{k}={case[k]}" for k in keys if k in case)
     model = snapshot.get("model") or {}
     dims = ""
     if model.get("name") == "snapshot":  # no preset has its dims: the dims it fixes
