@@ -4,7 +4,7 @@ Exit status: 0 when every compared tensor passed, 1 on a mismatch (FAIL), 2 on a
 (invalid config, a crashed or hung rank, an implementation that broke the contract).
 A multirun (`-m`) runs its jobs one after another, each with its own ranks; no job's failure
 or crash stops the others (unless fail_fast=true) and the exit status is the worst job's.
-Every job leaves `<output_dir>/result.json`, whatever its outcome.
+Every job leaves `<output_dir>/result.json` and its page `report.html`, whatever its outcome.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from launcher.report.result import (
     exit_code,
     launcher_error,
     not_launched,
-    write_result,
 )
+from launcher.report.run_page import write_result_and_page
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
 
@@ -49,7 +49,7 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides
         return _execute(cfg, output_dir, t0, job, overrides)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
         result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
-        write_result(output_dir, result, job)
+        write_result_and_page(output_dir, result, job)
         print(console.render(result))
         return EXIT_ERROR
 
@@ -60,8 +60,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
     except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
         message = " ".join(str(e).split())
         print(f"error: {message}", file=sys.stderr)
-        write_result(output_dir, not_launched(config_case(cfg), "config-error", message,
-                                              wall_s=time.perf_counter() - t0, stage="config"), job)
+        write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", message,
+                                                       wall_s=time.perf_counter() - t0, stage="config"), job)
         return EXIT_ERROR
     # The ranks append to their progress files: a folder reused from an earlier run starts empty.
     shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
@@ -76,7 +76,7 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
                           wall_s=time.perf_counter() - t0)
     if spec.report_plots:
         result["plots"] = write_plots(result, output_dir)
-    write_result(output_dir, result, job)
+    write_result_and_page(output_dir, result, job)
     print(console.render(result))
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
@@ -96,7 +96,7 @@ def _hydra_main(cfg: DictConfig) -> int:
     if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
         # Not counted in the exit status: the job that did not pass already decides it.
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
-        write_result(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
+        write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
         return EXIT_ERROR
     return execute(cfg, output_dir, job, overrides)
 

@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_module
 
 from launcher.run.preflight import preflight
 from launcher.report.console import render
-from launcher.report.result import EXIT_ERROR, build_result, exit_code, write_result
+from launcher.report.result import EXIT_ERROR, build_result, exit_code
+from launcher.report.run_page import write_result_and_page
 from launcher.run.worker import rank_main
 from layers.contract.config import ConfigError
 
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
     rank_result = rank_main(spec)
     result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=0.0)
     if rank_result.get("reporting"):  # the comparing rank reports for the run
-        write_result(output_dir, result)
+        write_result_and_page(output_dir, result)
         print(render(result))
     return exit_code(result)
 

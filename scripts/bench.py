@@ -7,6 +7,7 @@
     python scripts/bench.py threads             # the threads-per-rank rule vs oversubscribed ranks
     python scripts/bench.py loops               # Python calls as tokens / heads / cache rows double
     python scripts/bench.py scaling             # wall time vs tp and vs local_t, tiny and flash, + PNG
+    python scripts/bench.py plot                # scaling.png again from the figures in bench.json
 
 Every launcher run is `python -m launcher ... golden_cache=null` in a fresh interpreter (the
 cache would turn the golden stage into a file read; `flash` also measures a warm cache apart),
@@ -16,8 +17,8 @@ invocation, so they see the same load.
 Stage walls come from the ranks' progress events (first start to last done over all ranks);
 per-rank peak RSS is the VmHWM of each rank process, sampled from /proc while it runs (ranks
 are told apart by the per-rank stdout log their fd 1 points to). Results go to stdout as
-Markdown tables and to `<out>/bench.json`; `scaling` also writes `<out>/scaling.png` with a
-small zlib + struct plotter (no plotting dependency). `golden-alone` is the one-process
+Markdown tables and to `<out>/bench.json`; `scaling` also writes `<out>/scaling.png`, drawn
+with matplotlib (the `plots` extra). `golden-alone` is the one-process
 reference the flash ratio divides by (run as a subprocess of `flash`).
 """
 
@@ -29,13 +30,11 @@ import json
 import math
 import os
 import re
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -444,117 +443,45 @@ def bench_scaling(tmp: str, repeats: int, layers: list[str], models: list[str]) 
     return out
 
 
-# -- the PNG plotter -------------------------------------------------------------------------------
-# 5x7 glyphs, rows top to bottom ("#" lit); characters without a glyph draw as blanks.
-_GLYPHS = {
-    "0": ".###. #...# #..## #.#.# ##..# #...# .###.", "1": "..#.. .##.. ..#.. ..#.. ..#.. ..#.. .###.",
-    "2": ".###. #...# ....# ...#. ..#.. .#... #####", "3": "##### ...#. ..#.. ...#. ....# #...# .###.",
-    "4": "...#. ..##. .#.#. #..#. ##### ...#. ...#.", "5": "##### #.... ####. ....# ....# #...# .###.",
-    "6": "..##. .#... #.... ####. #...# #...# .###.", "7": "##### ....# ...#. ..#.. .#... .#... .#...",
-    "8": ".###. #...# #...# .###. #...# #...# .###.", "9": ".###. #...# #...# .#### ....# ...#. .##..",
-    ".": "..... ..... ..... ..... ..... .##.. .##..", "=": "..... ..... ##### ..... ##### ..... .....",
-    "_": "..... ..... ..... ..... ..... ..... #####", "-": "..... ..... ..... ##### ..... ..... .....",
-    "(": "...#. ..#.. .#... .#... .#... ..#.. ...#.", ")": ".#... ..#.. ...#. ...#. ...#. ..#.. .#...",
-    ",": "..... ..... ..... ..... .##.. ..#.. .#...", ":": "..... .##.. .##.. ..... .##.. .##.. .....",
-    "/": "..... ....# ...#. ..#.. .#... #.... .....", "x": "..... ..... #...# .#.#. ..#.. .#.#. #...#",
-    "a": "..... ..... .###. ....# .#### #...# .####", "b": "#.... #.... #.##. ##..# #...# #...# ####.",
-    "c": "..... ..... .###. #.... #.... #...# .###.", "d": "....# ....# .##.# #..## #...# #...# .####",
-    "e": "..... ..... .###. #...# ##### #.... .###.", "f": "..##. .#..# .#... ###.. .#... .#... .#...",
-    "g": "..... .#### #...# #...# .#### ....# .###.", "h": "#.... #.... #.##. ##..# #...# #...# #...#",
-    "i": "..#.. ..... .##.. ..#.. ..#.. ..#.. .###.", "k": "#.... #.... #..#. #.#.. ##... #.#.. #..#.",
-    "l": ".##.. ..#.. ..#.. ..#.. ..#.. ..#.. .###.", "m": "..... ..... ##.#. #.#.# #.#.# #...# #...#",
-    "n": "..... ..... #.##. ##..# #...# #...# #...#", "o": "..... ..... .###. #...# #...# #...# .###.",
-    "p": "..... ..... ####. #...# ####. #.... #....", "r": "..... ..... #.##. ##..# #.... #.... #....",
-    "s": "..... ..... .###. #.... .###. ....# ####.", "t": ".#... .#... ###.. .#... .#... .#..# ..##.",
-    "u": "..... ..... #...# #...# #...# #..## .##.#", "v": "..... ..... #...# #...# #...# .#.#. ..#..",
-    "w": "..... ..... #...# #...# #.#.# #.#.# .#.#.", "y": "..... #...# #...# #...# .#### ....# .###.",
-}
-_COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
+# -- the scaling plot ------------------------------------------------------------------------------
+def scaling_figure(scaling: dict):
+    """Wall time (log y) against tp and against local_t (log2 x): one line per model and layer,
+    the two panels on one y scale."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    from launcher.report.plots import figure
 
-class Canvas:
-    def __init__(self, width: int, height: int):
-        self.w, self.h = width, height
-        self.px = bytearray(b"\xff" * (width * height * 3))
-
-    def dot(self, x: int, y: int, rgb, r: int = 0) -> None:
-        for yy in range(y - r, y + r + 1):
-            for xx in range(x - r, x + r + 1):
-                if 0 <= xx < self.w and 0 <= yy < self.h:
-                    i = 3 * (yy * self.w + xx)
-                    self.px[i : i + 3] = bytes(rgb)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, rgb, r: int = 0) -> None:
-        n = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for k in range(n + 1):
-            self.dot(round(x0 + (x1 - x0) * k / n), round(y0 + (y1 - y0) * k / n), rgb, r)
-
-    def text(self, x: int, y: int, s: str, rgb=(0, 0, 0), scale: int = 2) -> None:
-        for ch in s:
-            rows = _GLYPHS.get(ch, "")
-            for j, row in enumerate(rows.split()):
-                for i, c in enumerate(row):
-                    if c == "#":
-                        for dy in range(scale):
-                            for dx in range(scale):
-                                self.dot(x + i * scale + dx, y + j * scale + dy, rgb)
-            x += 6 * scale
-
-    def png(self) -> bytes:
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-        stride = 3 * self.w
-        raw = b"".join(b"\x00" + bytes(self.px[y * stride : (y + 1) * stride]) for y in range(self.h))
-        header = struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-
-
-def _log_ticks(lo: float, hi: float) -> list[float]:
-    ticks = []
-    for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1):
-        ticks += [m * 10.0**e for m in (1, 2, 5) if lo <= m * 10.0**e <= hi]
-    return ticks
-
-
-def plot_panel(c: Canvas, box: tuple[int, int, int, int], title: str, xlabel: str,
-               series: dict[str, dict], lo: float, hi: float) -> None:
-    """Wall time (log y) against a power-of-two x (log x), one line per series."""
-    x0, y0, x1, y1 = box
-    xs = sorted({int(x) for s in series.values() for x in s})
-    lx = [math.log2(x) for x in xs]
-    px = lambda x: x0 + round((math.log2(x) - lx[0]) / max(lx[-1] - lx[0], 1e-9) * (x1 - x0))  # noqa: E731
-    py = lambda v: y1 - round((math.log10(v) - math.log10(lo)) / (math.log10(hi) - math.log10(lo)) * (y1 - y0))  # noqa: E731
-    grey, black = (210, 210, 210), (0, 0, 0)
-    for t in _log_ticks(lo, hi):
-        c.line(x0, py(t), x1, py(t), grey)
-        label = f"{t:g}"
-        c.text(x0 - 8 - 12 * len(label), py(t) - 7, label)
-    for x in xs:
-        c.line(px(x), y0, px(x), y1, grey)
-        c.text(px(x) - 6 * len(str(x)), y1 + 8, str(x))
-    c.line(x0, y1, x1, y1, black)
-    c.line(x0, y0, x0, y1, black)
-    c.text(x0, y0 - 26, title)
-    c.text((x0 + x1) // 2 - 6 * len(xlabel), y1 + 30, xlabel)
-    for k, (name, pts) in enumerate(series.items()):
-        rgb = _COLOURS[k % len(_COLOURS)]
-        coords = [(px(int(x)), py(v)) for x, v in sorted(pts.items(), key=lambda kv: int(kv[0]))]
-        for (a, b), (p, q) in zip(coords, coords[1:]):
-            c.line(a, b, p, q, rgb, r=1)
-        for a, b in coords:
-            c.dot(a, b, rgb, r=3)
-        c.dot(x0 + 16, y0 + 14 + 22 * k, rgb, r=4)
-        c.text(x0 + 28, y0 + 7 + 22 * k, name, rgb)
+    fig = figure(12.0, 4.8)
+    axes = fig.subplots(1, 2, sharey=True)
+    panels = (("tp", "wall s vs tp (local_t fixed: 16 tiny, 64 flash)", "tp"),
+              ("local_t", "wall s vs local_t (tp=2)", "local_t (tokens per rank)"))
+    for ax, (kind, title, xlabel) in zip(axes, panels):
+        xs = sorted({int(x) for s in scaling[kind].values() for x in s})
+        for name, pts in scaling[kind].items():
+            points = sorted((int(x), v) for x, v in pts.items())
+            ax.plot([x for x, _ in points], [v for _, v in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.grid(True, which="major", color="#dddddd")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel("wall s, end to end (min of runs)")
+    axes[0].legend(frameon=False)
+    return fig
 
 
 def write_scaling_png(path: str, scaling: dict) -> None:
-    values = [v for kind in ("tp", "local_t") for s in scaling[kind].values() for v in s.values()]
-    lo, hi = 10 ** math.floor(math.log10(min(values))), 10 ** math.ceil(math.log10(max(values)))
-    c = Canvas(1200, 480)
-    plot_panel(c, (90, 50, 570, 400), "wall s vs tp (local_t fixed)", "tp", scaling["tp"], lo, hi)
-    plot_panel(c, (700, 50, 1180, 400), "wall s vs local_t (tp=2)", "local_t", scaling["local_t"], lo, hi)
-    Path(path).write_bytes(c.png())
+    from launcher.report.plots import available, png
+
+    if not available():
+        print("scaling.png not written: matplotlib is not installed (pip install '.[plots]')", file=sys.stderr)
+        return
+    Path(path).write_bytes(png(scaling_figure(scaling)))
 
 
 # -- Markdown ----------------------------------------------------------------------------------------
@@ -665,7 +592,8 @@ def merge_min(old: dict, new: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["all", "launch", "flash", "memory", "threads", "loops", "scaling", "golden-alone"])
+    ap.add_argument("what", choices=["all", "launch", "flash", "memory", "threads", "loops", "scaling", "plot",
+                                     "golden-alone"])
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the minimum is reported")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "bench"), help="folder for bench.json and scaling.png")
     ap.add_argument("--layers", default="swa,csa", help="layers of the memory and scaling benchmarks")
@@ -680,6 +608,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.what == "golden-alone":
         print(json.dumps(golden_alone(args.layer, args.model, args.tp, args.local_t, args.threads)))
+        return 0
+    if args.what == "plot":
+        stored = json.load(open(os.path.join(args.out, "bench.json")))
+        write_scaling_png(os.path.join(args.out, "scaling.png"), _normalise(stored["scaling"]))
         return 0
     layers = args.layers.split(",")
     todo = ["launch", "flash", "memory", "threads", "loops", "scaling"] if args.what == "all" else [args.what]

@@ -88,6 +88,16 @@ def test_corrupt_gives_fail_naming_tensor_and_rank(tp_run):
     assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == [0]
 
 
+@pytest.mark.parametrize("keys, tensor", [
+    ({"layer": "swa", "tp": 2, "scope": "output"}, "o_partial"),
+    ({"layer": "moe", "ep": 2}, "x_next"),
+])
+def test_an_output_fault_hits_a_scopes_and_the_moe_layers_output(tp_run, keys, tensor):
+    run = tp_run(model="tiny", overrides=["fault.kind=nan", "fault.rank=1"], **keys)
+    assert run.exit_code == 1, run
+    assert not run.verdict(tensor)["passed"], run
+
+
 @pytest.mark.parametrize("bad, message", [
     (["fault.kind=melt"], "fault.kind='melt' must be one of"),
     (["fault.kind=raise", "fault.rank=2"], "fault.rank=2 must be in [0, 2)"),

@@ -33,3 +33,4 @@ def test_installed_package_runs_outside_the_source_tree(tmp_path):
     p = subprocess.run([sys.executable, "-m", "launcher", "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
                         f"hydra.run.dir={tmp_path}/out"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "VERDICT: PASS" in p.stdout, p.stdout + p.stderr
+    assert "PASS" in (tmp_path / "out" / "report.html").read_text()  # the page comes with the installed package

@@ -1,20 +1,21 @@
 """The per-run report: where a failing tensor's errors are (grids, text, PNG heat maps).
 
 The grids are checked against loop-by-loop restatements of the gates (validation.md §8.2 for
-pools, §10.2 for ratio_reldiff) written here, the PNG by decoding it with zlib alone.
+pools, §10.2 for ratio_reldiff) written here; the heat maps through the figure matplotlib
+draws (its axes, colour bar, marked cell), the PNG files by decoding them.
 """
 
 from __future__ import annotations
 
+import io
 import os
-import struct
-import zlib
+import sys
 
 import pytest
 import torch
 
 from launcher.report.console import render
-from launcher.report.plots import write_png, write_plots
+from launcher.report import plots
 from launcher.verify.where import error_maps
 from layers.contract.checks import PoolCheck, RelDiffCheck
 
@@ -108,43 +109,40 @@ def test_a_shape_mismatch_has_no_grid():
     assert error_maps("x_out", RELDIFF, torch.zeros(2, 8, 4, 4), torch.zeros(2, 8, 4, 5), {}) == []
 
 
-def _decode_png(data: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]]:
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos: pos + 4])
-        kind, body = data[pos + 4: pos + 8], data[pos + 8: pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length: pos + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + length
-    assert b"IEND" in chunks
-    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
-    assert (depth, colour, interlace) == (8, 2, 0)
-    raw = zlib.decompress(chunks[b"IDAT"])
-    stride = 1 + 3 * width
-    assert len(raw) == stride * height
-    pixels = []
-    for y in range(height):
-        line = raw[y * stride: (y + 1) * stride]
-        assert line[0] == 0
-        pixels.append([tuple(line[1 + 3 * x: 4 + 3 * x]) for x in range(width)])
-    return width, height, pixels
+def _png_size(data: bytes) -> tuple[int, int]:
+    """A PNG's size, read with Pillow (which decodes the whole image, so a broken file raises)."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img.size
 
 
-def test_png_is_a_valid_heat_map_of_the_grid(tmp_path):
-    bad = [[0, 3, 0], [12, 0, 1]]
-    path = tmp_path / "h.png"
-    write_png(str(path), bad)
-    width, height, px = _decode_png(path.read_bytes())
-    cell = 24
-    assert (width, height) == (3 * cell, 2 * 24 + 2)  # two 24-pixel bands, a 2-pixel gap
-    centre = lambda r, c: px[r * (24 + 2) + 12][c * cell + cell // 2]  # noqa: E731
-    grey = centre(0, 0)
-    assert grey == centre(0, 2) == centre(1, 1)
-    assert len({grey, centre(0, 1), centre(1, 0), centre(1, 2)}) == 4
-    assert sum(centre(1, 0)) < sum(centre(0, 1)) < sum(centre(1, 2))  # more bad points, darker
-    assert px[24][0] == (255, 255, 255)  # the gap between the ranks
+def test_heat_map_has_labelled_axes_a_colour_bar_and_the_worst_cell_marked():
+    pytest.importorskip("matplotlib")
+    grid = {"name": "rank x token block", "rows": "rank", "cols": "token block", "cell": "8 tokens",
+            "col_labels": ["0-7", "8-15", "16-23"], "bad": [[0, 3, 0], [12, 0, 1]],
+            "numel": [[64] * 3] * 2, "max_abs_diff": [[0.0, 0.5, 0.0], [0.25, 0.0, 0.75]]}
+    fig = plots.heatmap("x_out", grid)
+    ax, bar = fig.axes  # the map and its colour bar
+    assert ax.get_xlabel() == "token block (8 tokens each)" and ax.get_ylabel() == "rank"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0-7", "8-15", "16-23"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "1"]  # rank 0 on top: imshow's first row
+    assert bar.get_ylabel() == "bad points in the cell"
+    assert "worst (\u2605): rank 1, token block 0-7: 12/64 bad, max|diff| 0.25" in ax.get_title()
+    (outline,) = [p for p in ax.patches if p.get_label() == "worst cell"]
+    assert outline.get_xy() == (-0.5, 0.5)  # column 0, row (rank) 1
+    (star,) = ax.lines
+    assert list(star.get_xdata()) == [0] and list(star.get_ydata()) == [1]
+    image = ax.images[0].get_array()
+    assert image.mask.tolist() == [[True, False, True], [False, True, False]]  # grey where no bad point
+    assert plots.worst_cell(grid) == (1, 0)
+    assert _png_size(plots.png(fig))[0] > 300
+
+
+def test_worst_cell_ties_go_to_the_larger_diff():
+    grid = {"bad": [[5, 5]], "max_abs_diff": [[0.1, 0.2]]}
+    assert plots.worst_cell(grid) == (0, 1)
 
 
 def _failing_result() -> dict:
@@ -174,10 +172,22 @@ def test_render_says_where_the_bad_points_are():
 
 
 def test_plots_only_for_failing_tensors(tmp_path):
-    paths = write_plots(_failing_result(), str(tmp_path))
+    pytest.importorskip("matplotlib")
+    paths = plots.write_plots(_failing_result(), str(tmp_path))
     assert sorted(os.path.basename(p) for p in paths) == ["heatmap_x_out_rank_x_hc.png",
                                                           "heatmap_x_out_rank_x_token_block.png"]
-    _decode_png(open(paths[0], "rb").read())
+    assert all(_png_size(open(p, "rb").read())[0] > 300 for p in paths)
+
+
+def test_plots_without_matplotlib_write_nothing_and_say_how_to_get_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    plots.available.cache_clear()
+    try:
+        assert plots.write_plots(_failing_result(), str(tmp_path)) == []
+    finally:
+        plots.available.cache_clear()
+    assert os.listdir(tmp_path) == []
+    assert "pip install 'dsv4-tp-harness[plots]'" in capsys.readouterr().err
 
 
 def test_a_defective_rank_is_located_end_to_end(tp_run):
@@ -189,5 +199,39 @@ def test_a_defective_rank_is_located_end_to_end(tp_run):
     assert blocks["bad"][1][0] > 0 and blocks["bad"][1][1:] == [0] * 7
     assert "where: x_out" in run.report
     png = os.path.join(run.output_dir, "heatmap_x_out_rank_x_token_block.png")
-    assert run.result["plots"] and png in run.result["plots"]
-    _decode_png(open(png, "rb").read())
+    if plots.available():
+        assert run.result["plots"] and png in run.result["plots"]
+        assert _png_size(open(png, "rb").read())[0] > 300
+    else:
+        assert run.result["plots"] == []
+
+
+def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
+    """scripts/bench.py's scaling plot: wall time against tp and against local_t, drawn by matplotlib."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    from .conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    scaling = {"tp": {"tiny swa": {1: 1.6, 2: 1.8, 4: 2.0, 8: 2.2}, "flash csa": {1: 4.0, 2: 5.0, 4: 8.6, 8: 17.1}},
+               "local_t": {"tiny swa": {8: 1.7, 16: 1.8}, "flash csa": {16: 4.4, 64: 5.0, 256: 8.9}}}
+    fig = bench.scaling_figure(scaling)
+    left, right = fig.axes
+    assert (left.get_xlabel(), right.get_xlabel()) == ("tp", "local_t (tokens per rank)")
+    assert left.get_xscale() == right.get_xscale() == "log" and left.get_yscale() == "log"
+    assert [t.get_text() for t in left.get_xticklabels()] == ["1", "2", "4", "8"]
+    assert [t.get_text() for t in right.get_xticklabels()] == ["8", "16", "64", "256"]
+    assert [ln.get_label() for ln in left.lines] == ["tiny swa", "flash csa"]
+    assert list(right.lines[1].get_ydata()) == [4.4, 5.0, 8.9]
+    assert _png_size(plots.png(fig))[0] == 1200
+
+
+def test_console_report_of_a_node_without_rank_0():
+    """A node other than 0 prints rank 0's verdict (the name `verdict` is the rule, not a local)."""
+    result = {**_failing_result(), "verdicts": [], "compared_on_node": 0, "node_rank": 1, "passed": True}
+    assert render(result).splitlines()[-2:] == ["node 1: rank 0 on node 0 compared; its verdict: PASS",
+                                                "VERDICT: PASS (1.0s)"]

@@ -58,6 +58,8 @@ def test_tiny_multirun_summary_and_junit(tmp_path):
     assert (summary["n_jobs"], summary["passed"], summary["failed"], summary["errors"]) == (4, 4, 0, 0)
     for j in jobs:
         assert json.load(open(os.path.join(j["output_dir"], "result.json")))["passed"] is True
+        assert os.path.isfile(os.path.join(j["output_dir"], "report.html"))
+    assert os.path.isfile(os.path.join(summary["sweep_dir"], "report.html"))
     suite = junit.find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("4", "0", "0")
     cases = suite.findall("testcase")

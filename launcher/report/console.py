@@ -4,7 +4,8 @@
 the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank), each
 failing tensor's comparator account, where its errors are (the grids of
 `launcher.verify.where`, as text), the bisect table when there is one, and the verdict line.
-`fmt` and `table_lines` are the number and table formats the sweep's table shares.
+`fmt`, `starts_text` and `table_lines` are the formats the sweep's table and the HTML pages
+share.
 """
 
 from __future__ import annotations
@@ -24,17 +25,43 @@ def fmt(v) -> str:
     return str(v)
 
 
+def starts_text(start_pos) -> str:
+    """A case's start positions in a table cell: the canonical set, one, or a list's first few."""
+    if start_pos is None:
+        return "canonical"
+    if isinstance(start_pos, list):
+        head = ",".join(str(s) for s in start_pos[:3])
+        return f"[{head},...]({len(start_pos)})" if len(start_pos) > 3 else f"[{head}]"
+    return str(start_pos)
+
+
 def table_lines(rows: list[list[str]]) -> list[str]:
     """Rows of cells as left-aligned columns two spaces apart (the first row is the header)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+# The keys that define a case, in the order every report shows them: the attention layers' tp /
+# local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing.
+CASE_KEYS = ("layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
+             "seed", "start_pos", "backend", "impl")
+
+
+def case_items(c: dict) -> list[tuple[str, object]]:
+    """The case's keys and values that it has, in CASE_KEYS order; dp only where there are
+    several groups."""
+    return [(k, c[k]) for k in CASE_KEYS if k in c and not (k == "dp" and c[k] in (None, 1))]
+
+
+def group_text(c: dict) -> str:
+    """The size of the case's process group as a key: `ep=P` for the MoE layer, `tp=N` else."""
+    return f"ep={c['ep']}" if "ep" in c else f"tp={c.get('tp')}"
+
+
 def snapshot_line(snapshot: dict, case: dict) -> str:
     """The case a replay read from its snapshot, and which keys it read there."""
     read = snapshot["read"]
-    keys = ("layer", "scope", "model", "tp", "ep", "local_t", "layer_id", "num_tokens", "start_pos", "seed")
-    shown = " ".join(f"{k}={case[k]}" for k in keys if k in case)
+    shown = " ".join(f"{k}={v}" for k, v in case_items(case) if k not in ("backend", "impl"))
     model = snapshot.get("model") or {}
     dims = ""
     if model.get("name") == "snapshot":  # no preset has its dims: the dims it fixes
@@ -44,12 +71,20 @@ def snapshot_line(snapshot: dict, case: dict) -> str:
 
 
 def case_line(c: dict) -> str:
-    """The case as `key=value` pairs: the attention layers' tp / local_t / start_pos, the MoE
-    layer's ep / layer_id / num_tokens / balanced_routing; dp where there are several groups."""
-    keys = ["layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
-            "seed", "start_pos", "backend", "impl"]
-    cells = [f"{k}={c[k]}" for k in keys if k in c and not (k == "dp" and c[k] in (None, 1))]
-    return "dsv4-tp-harness  " + " ".join(cells)
+    """The case as `key=value` pairs (case_items)."""
+    return "dsv4-tp-harness  " + " ".join(f"{k}={v}" for k, v in case_items(c))
+
+
+def case_columns(rows: list[dict]) -> list[str]:
+    """The case keys a table of sweep jobs shows: the attention layers' where any job is one (or
+    none is the MoE layer's), the MoE layer's where any job is one; dp where a job had several
+    groups."""
+    moe = any(r.get("ep") is not None for r in rows)
+    attention = not moe or any(r.get("tp") is not None for r in rows)
+    grouped = any((r.get("dp") or 1) > 1 for r in rows)
+    return [*(["tp"] if attention else []), *(["ep"] if moe else []), *(["dp"] if grouped else []),
+            *(["local_t"] if attention else []), *(["layer_id", "num_tokens", "balanced_routing"] if moe else []),
+            *(["start_pos"] if attention else [])]
 
 
 def render(result: dict) -> str:
@@ -95,7 +130,7 @@ def render(result: dict) -> str:
         lines.append("VERDICT: UNCHECKED (golden=false: a performance run; no golden was computed and nothing "
                      f"was compared) ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
-    lines.append(_reference_line(result))
+    lines.append(reference_line(result))
     tolerance = tolerance_line(result.get("tolerance"))
     if tolerance:
         lines.append(tolerance)
@@ -170,7 +205,8 @@ def bench_lines(bench: dict) -> list[str]:
     return lines
 
 
-def _reference_line(result: dict) -> str:
+def reference_line(result: dict) -> str:
+    """Which reference the verdicts compare against: the golden (and from where) or a snapshot."""
     if result.get("reference") == "snapshot":
         return f"reference: snapshot {result['golden_data']}/out"
     hits = result.get("golden_cache_hits", [])

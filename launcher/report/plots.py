@@ -1,89 +1,288 @@
-"""PNG heat maps of where a failing tensor's errors are (`report.plots=true`), next to result.json.
+"""The report's figures, drawn with matplotlib: error grids as heat maps, per-rank stage times,
+a benchmark's rounds and stages, a sweep's jobs x tensors map; and the PNG files of
+`report.plots=true`.
 
-Draws the grids `launcher.verify.where` put into a failing verdict's `where`: one image per
-grid with bad points, rows are ranks (top: rank 0), columns the grid's columns. The PNG is
-written with zlib and struct alone (no plotting dependency).
+Every figure is built from the result dicts alone (result.json, summary.json rows), as a
+`matplotlib.figure.Figure` on the Agg canvas: no pyplot, so no GUI backend, no global figure
+state, nothing left open. `png(fig)` turns one into PNG bytes (the HTML pages embed them, the
+PNG files are the same bytes).
+
+matplotlib is optional (the `plots` extra): it is imported on first use, not at import time,
+so a run that draws nothing never pays for it, and `available()` says whether it is there.
+Without it the pages are written with tables only (`launcher.report.page`), and
+`report.plots=true` writes no PNG and says why.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import io
+import math
 import os
 import re
-import struct
-import zlib
+import sys
 from collections.abc import Sequence
+
+from launcher.config.rank_stages import RANK_STAGES
+
+INSTALL_HINT = "pip install 'dsv4-tp-harness[plots]' (or pip install matplotlib)"
+DPI = 100
+EMPTY = "#e6e6e6"  # a cell without a bad point / a tensor a job did not compare
+WORST = "#0a84ff"  # the outline and star of a heat map's worst cell (no red or yellow: it must stand out)
+BITWISE = "#d9f0d3"  # a sweep map's cell whose tensor was bitwise equal to the reference
+
+
+@functools.cache
+def available() -> bool:
+    """Whether matplotlib can be imported here (the plots extra is installed)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a broken or stubbed-out install counts as absent
+        return False
+
+
+def _mpl():
+    """matplotlib's Figure class and colour module, imported on first use."""
+    from matplotlib import colors
+    from matplotlib.figure import Figure
+
+    return Figure, colors
+
+
+def figure(width: float, height: float):
+    """A new Figure on the Agg canvas (never pyplot's GUI backends); constrained layout."""
+    Figure, _ = _mpl()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def png(fig) -> bytes:
+    """The figure as PNG bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
 
 
-def write_plots(result: dict, output_dir: str) -> list[str]:
-    """A PNG heat map of every grid with bad points of every failing verdict; the paths written.
+def _tick_positions(n: int, most: int) -> list[int]:
+    """Up to `most` evenly spread positions of n columns, the first and the last included."""
+    if n <= most:
+        return list(range(n))
+    step = math.ceil((n - 1) / (most - 1))
+    return sorted(set(range(0, n, step)) | {n - 1})
 
-    Rows are ranks (top: rank 0), columns the grid's columns; grey cells have no bad point,
-    the others go from light yellow to dark red with the square root of their share of the
-    worst cell's count.
-    """
-    paths = []
+
+# -- where a failing tensor's errors are -------------------------------------------------------
+
+
+def worst_cell(grid: dict) -> tuple[int, int]:
+    """(rank, column) of the grid's worst cell: most bad points, then the largest max |diff|
+    (the cell the console's `worst:` line names)."""
+    bad, diff = grid["bad"], grid["max_abs_diff"]
+    return max(((r, c) for r in range(len(bad)) for c in range(len(bad[r]))),
+               key=lambda rc: (bad[rc[0]][rc[1]], diff[rc[0]][rc[1]]))
+
+
+def heatmap(tensor: str, grid: dict):
+    """One grid of `launcher.verify.where` as a heat map: rows are ranks (rank 0 on top),
+    columns the grid's columns; grey cells have no bad point, the others go from yellow to dark
+    red with their count (square-root scale, so one bad point next to thousands still shows);
+    the worst cell is outlined, starred and named in the title."""
+    import numpy as np
+
+    _, colors = _mpl()
+    bad = np.asarray(grid["bad"], dtype=float)
+    ranks, cols = bad.shape
+    r, c = worst_cell(grid)
+    fig = figure(min(12.0, max(6.0, 2.5 + 0.42 * cols)), min(9.0, 1.9 + 0.32 * ranks))
+    ax = fig.add_subplot()
+    cmap = colors.LinearSegmentedColormap.from_list("bad", ["#ffeda0", "#feb24c", "#f03b20", "#800026"]).with_extremes(bad=EMPTY)
+    im = ax.imshow(np.ma.masked_equal(bad, 0), cmap=cmap, aspect="auto", interpolation="nearest",
+                   norm=colors.PowerNorm(0.5, vmin=0, vmax=max(bad.max(), 1)))
+    ax.add_patch(_rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor=WORST, linewidth=3, label="worst cell"))
+    ax.plot([c], [r], marker="*", markersize=15, color=WORST, markeredgecolor="white", linestyle="none")
+    ys = _tick_positions(ranks, 32)
+    ax.set_yticks(ys, [str(i) for i in ys])
+    xs = _tick_positions(cols, 24)
+    labels = grid["col_labels"]
+    wide = max(len(labels[i]) for i in xs) > 3  # "8-15": slanted, so that neighbours never overlap
+    ax.set_xticks(xs, [labels[i] for i in xs], rotation=45 if wide else 0, ha="right" if wide else "center")
+    if cols <= 48 and ranks <= 32:  # cell borders where cells are wide enough to see them
+        ax.set_xticks([x - 0.5 for x in range(1, cols)], minor=True)
+        ax.set_yticks([y - 0.5 for y in range(1, ranks)], minor=True)
+        ax.grid(which="minor", color="white", linewidth=1.5)
+        ax.tick_params(which="minor", length=0)
+    each = f" ({grid['cell']} each)" if grid.get("cell") else ""
+    ax.set_xlabel(f"{grid['cols']}{each}")
+    ax.set_ylabel("rank")
+    total = int(bad.sum())
+    ax.set_title(f"{tensor}: {total} bad points per rank and {grid['cols']}\n"
+                 f"worst (\u2605): rank {r}, {grid['cols']} {labels[c]}: "
+                 f"{grid['bad'][r][c]}/{grid['numel'][r][c]} bad, max|diff| {grid['max_abs_diff'][r][c]:.3g}",
+                 fontsize=10)
+    fig.colorbar(im, ax=ax, label="bad points in the cell", pad=0.01)
+    return fig
+
+
+def _rectangle(*args, **kwargs):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle(*args, **kwargs)
+
+
+def error_grids(result: dict):
+    """(tag, verdict, grid) of every grid with bad points of every failing verdict; tag is ""
+    for the primary reference, "recomputed_" for the golden recomputed from a snapshot."""
     tagged = [("", v) for v in result.get("verdicts", [])]
     tagged += [("recomputed_", v) for v in result.get("recomputed_verdicts", [])]
     for tag, v in tagged:
         if v["passed"]:
             continue
         for g in v.get("where") or []:
-            if not any(map(any, g["bad"])):
-                continue
-            path = os.path.join(output_dir, f"heatmap_{tag}{_slug(v['tensor'])}_{_slug(g['name'])}.png")
-            write_png(path, g["bad"])
-            paths.append(path)
+            if any(map(any, g["bad"])):
+                yield tag, v, g
+
+
+def heatmap_file(tag: str, tensor: str, grid: dict) -> str:
+    """The file name of a grid's PNG (`report.plots=true`)."""
+    return f"heatmap_{tag}{_slug(tensor)}_{_slug(grid['name'])}.png"
+
+
+def write_plots(result: dict, output_dir: str) -> list[str]:
+    """`report.plots=true`: a PNG heat map of every grid with bad points of every failing
+    verdict, next to result.json; the paths written. Without matplotlib nothing is written
+    and a warning says how to install it."""
+    grids = list(error_grids(result))
+    if grids and not available():
+        print(f"warning: report.plots=true wrote no PNG: matplotlib is not installed ({INSTALL_HINT})",
+              file=sys.stderr)
+        return []
+    paths = []
+    for tag, v, g in grids:
+        path = os.path.join(output_dir, heatmap_file(tag, v["tensor"], g))
+        with open(path, "wb") as f:
+            f.write(png(heatmap(v["tensor"], g)))
+        paths.append(path)
     return paths
 
 
-# -- the PNG encoder -------------------------------------------------------------------------------
-
-_EMPTY = (236, 236, 236)  # no bad point in the cell
-_RANK_GAP = (255, 255, 255)
+# -- where the time goes -----------------------------------------------------------------------
 
 
-def _ramp(x: float) -> tuple[int, int, int]:
-    """0 < x <= 1 -> light yellow to dark red (more bad points, darker)."""
-    stops = ((255, 237, 160), (254, 178, 76), (240, 59, 32), (128, 0, 38))
-    pos = x * (len(stops) - 1)
-    i = min(int(pos), len(stops) - 2)
-    f = pos - i
-    return tuple(round(stops[i][c] + (stops[i + 1][c] - stops[i][c]) * f) for c in range(3))
+def stage_times(rank_seconds: Sequence[dict | None]):
+    """Each rank's stage times as one horizontal bar of stacked stages (rank 0 on top), the
+    stages in the order a rank runs them."""
+    stages = [s for s in RANK_STAGES if any(s in (r or {}) for r in rank_seconds)]
+    ranks = len(rank_seconds)
+    fig = figure(9.0, min(10.0, max(1.4 + 0.3 * ranks, 0.9 + 0.22 * len(stages))))
+    ax = fig.add_subplot()
+    left = [0.0] * ranks
+    palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#9d755d")
+    for i, stage in enumerate(stages):
+        widths = [(r or {}).get(stage, 0.0) for r in rank_seconds]
+        ax.barh(range(ranks), widths, left=left, height=0.7, label=stage, color=palette[i % len(palette)])
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_yticks(_tick_positions(ranks, 32))
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (stages of one rank, end to end)")
+    ax.set_ylabel("rank")
+    ax.set_title("stage times per rank", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)  # beside: never on the axis
+    ax.grid(axis="x", color="#dddddd")
+    ax.set_axisbelow(True)
+    return fig
 
 
-def cell_colours(bad: Sequence[Sequence[int]]) -> list[list[tuple[int, int, int]]]:
-    """The colour of every cell: grey where clean, else by its share of the worst cell's count
-    (square-root scaled so a single bad point next to thousands still shows)."""
-    worst = max((v for row in bad for v in row), default=0)
-    return [[_EMPTY if v == 0 else _ramp((v / worst) ** 0.5) for v in row] for row in bad]
+def round_times(bench: dict) -> list[float]:
+    """A benchmark's time per round: its slowest rank's (`raw_s`: rounds x ranks)."""
+    return [max(r) if isinstance(r, list) else float(r) for r in bench.get("raw_s") or [] if r not in (None, [])]
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+def bench_histogram(bench: dict):
+    """A histogram of a benchmark's rounds (each round's slowest rank), the min and the median
+    marked."""
+    times = sorted(round_times(bench))
+    fig = figure(7.0, 3.2)
+    ax = fig.add_subplot()
+    scale, unit = (1e3, "ms") if times[-1] < 1.0 else (1.0, "s")
+    ax.hist([t * scale for t in times], bins=min(30, max(5, len(times) // 2)), color="#4c78a8", edgecolor="white")
+    for key, style, name in (("min_s", ":", "min"), ("median_s", "--", "median")):
+        value = bench.get(key)
+        if isinstance(value, (int, float)):
+            ax.axvline(value * scale, color="#e45756", linestyle=style, label=f"{name} {value * scale:.3g} {unit}")
+    ax.set_xlabel(f"{unit} per round (the slowest rank)")
+    ax.set_ylabel("rounds")
+    ax.set_title(f"{len(times)} timed rounds", fontsize=10)
+    ax.legend(frameon=False, fontsize=9)
+    return fig
 
 
-def png_bytes(bad: Sequence[Sequence[int]], cell: int | None = None, band: int = 24) -> bytes:
-    """An RGB PNG of the grid: one `band`-pixel-high row of cells per rank (top: rank 0), a
-    2-pixel gap between ranks; `cell` (pixels per column) defaults to what keeps the image near
-    1000 pixels wide, from 2 to 24."""
-    n_rows, n_cols = len(bad), len(bad[0])
-    cell = cell or max(2, min(band, 1000 // n_cols))
-    colours = cell_colours(bad)
-    width = n_cols * cell
-    lines = []
-    for r, row in enumerate(colours):
-        lines += [b"".join(bytes(c) * cell for c in row)] * band
-        if r != n_rows - 1:
-            lines += [bytes(_RANK_GAP) * width] * 2
-    raw = b"".join(b"\x00" + ln for ln in lines)  # filter type 0 (none) on every scanline
-    header = struct.pack(">IIBBBBB", width, len(lines), 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b"")
+def bench_stages(stages: Sequence[dict]):
+    """Where a benchmark round's time goes: each stage's median (of its slowest rank per round)
+    as a bar, in the layer's stage order, the collectives in their own colour."""
+    names = [s["stage"] for s in stages]
+    values = [s["median_s"] for s in stages]
+    scale, unit = (1e3, "ms") if max(values, default=0.0) < 1.0 else (1.0, "s")
+    fig = figure(8.0, min(10.0, 1.4 + 0.3 * len(stages)))
+    ax = fig.add_subplot()
+    colours = ["#f58518" if s.get("collective") else "#4c78a8" for s in stages]
+    ax.barh(range(len(stages)), [v * scale for v in values], color=colours, height=0.7)
+    ax.set_yticks(range(len(stages)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{unit} per round (median of the slowest rank)")
+    ax.set_title("time per stage (orange: collectives, blue: compute)", fontsize=10)
+    ax.grid(axis="x", color="#dddddd")
+    ax.set_axisbelow(True)
+    return fig
 
 
-def write_png(path: str, bad: Sequence[Sequence[int]]) -> None:
-    with open(path, "wb") as f:
-        f.write(png_bytes(bad))
+# -- a sweep -----------------------------------------------------------------------------------
+
+
+def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence[Sequence[float | None]],
+              failed: Sequence[Sequence[bool]]):
+    """Jobs (rows) x tensors (columns): each compared tensor's max |diff| on a log colour
+    scale; pale green where it was bitwise equal, grey where the job compared no such tensor (or
+    compared nothing: an error); a cross on each failing tensor."""
+    import numpy as np
+
+    _, colors = _mpl()
+    n_jobs, n_tensors = len(job_labels), len(tensors)
+    values = np.array([[np.nan if d is None else d for d in row] for row in diffs], dtype=float).reshape(n_jobs, n_tensors)
+    positive = values[np.isfinite(values) & (values > 0)]
+    lo = positive.min() if positive.size else 1e-6
+    hi = positive.max() if positive.size else 1.0
+    if hi < lo * 10:  # at least a decade, centred on the values: a lone value is coloured mid-scale
+        mid = math.sqrt(lo * hi)
+        lo, hi = mid / math.sqrt(10), mid * math.sqrt(10)
+    cmap = colors.LinearSegmentedColormap.from_list("diff", ["#fff7bc", "#fec44f", "#d95f0e", "#7f0000"])
+    fig = figure(min(14.0, max(6.0, 3.5 + 0.7 * n_tensors)), min(40.0, 1.8 + 0.28 * n_jobs))
+    ax = fig.add_subplot()
+    ax.set_facecolor(EMPTY)
+    zero = np.where(values == 0, 1.0, np.nan)
+    ax.imshow(zero, cmap=colors.ListedColormap([BITWISE]), aspect="auto", interpolation="nearest")
+    im = ax.imshow(np.ma.masked_invalid(np.where(values > 0, values, np.nan)), cmap=cmap, aspect="auto",
+                   interpolation="nearest", norm=colors.LogNorm(vmin=lo, vmax=hi))
+    for j in range(n_jobs):
+        for t in range(n_tensors):
+            if failed[j][t]:
+                ax.text(t, j, "\u2716", ha="center", va="center", color="black", fontsize=9)
+    ax.set_xticks(range(n_tensors), tensors, rotation=30 if n_tensors > 4 else 0, ha="right" if n_tensors > 4 else "center")
+    ys = _tick_positions(n_jobs, 80)
+    ax.set_yticks(ys, [job_labels[i] for i in ys], fontsize=8)
+    ax.set_xticks([x - 0.5 for x in range(1, n_tensors)], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, n_jobs)], minor=True)
+    ax.grid(which="minor", color="white", linewidth=1)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xlabel("tensor")
+    ax.set_ylabel("job")
+    ax.set_title("max |diff| per job and tensor\n\u2716 failed; green: bitwise equal; grey: not compared", fontsize=10)
+    fig.colorbar(im, ax=ax, label="max |diff|", pad=0.01)
+    return fig

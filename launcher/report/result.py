@@ -12,7 +12,8 @@ a failed job) or "error" with stage "launcher" (the launcher process itself rais
 Where the errors are: a failing verdict may carry `where`, the grids of `launcher.verify.where`
 (bad points per rank x token block / hc copy / physical block).
 
-`write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`),
+`write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`,
+through `launcher.report.run_page.write_result_and_page`, which adds the run's report.html),
 `exit_code` the one rule from a result to the process's exit status.
 """
 
@@ -50,9 +51,9 @@ def exit_code(result: dict) -> int:
     return {"PASS": EXIT_PASS, "UNCHECKED": EXIT_PASS, "FAIL": EXIT_FAIL}.get(verdict(result), EXIT_ERROR)
 
 
-def write_result(output_dir: str, result: dict, job: dict | None = None) -> None:
+def write_result(output_dir: str, result: dict, job: dict | None = None) -> dict:
     """result.json, written whole or not at all; a sweep's job carries its `job` entry
-    (`launcher.report.sweep.job_entry`)."""
+    (`launcher.report.sweep.job_entry`). Returns the dict written (with its verdict and job)."""
     os.makedirs(output_dir, exist_ok=True)
     result = {**result, "verdict": verdict(result)}
     if job is not None:
@@ -62,6 +63,7 @@ def write_result(output_dir: str, result: dict, job: dict | None = None) -> None
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
     os.replace(tmp, path)
+    return result
 
 
 def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None, log_dir: str,

@@ -7,6 +7,7 @@ each job starts and ends, and at the end of the multirun writes, into the sweep 
   one entry per job (its overrides, case, verdict, worst tensor and figures, message, wall time);
 * `junit.xml`: one testsuite, one testcase per job; a FAIL carries the comparators' messages
   as `<failure>`, a crashed or refused job an `<error>`, a fail_fast skip `<skipped>`;
+* `report.html`: the same jobs as a page, each linking to its own (`launcher.report.sweep_page`);
 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
 (`launcher.cli.execute` writes one for every outcome), so a crashed job has its row too.
@@ -32,13 +33,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
-from launcher.report.console import comparator_text, fmt, table_lines
+from launcher.report.console import case_columns, comparator_text, fmt, starts_text, table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, verdict
+from launcher.report.sweep_page import write_sweep_page
 
 SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP", "unchecked": "UNCHECKED"}
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
 # which already decides the sweep's status.
 EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS, "UNCHECKED": EXIT_PASS}
+# The MoE layer's case keys a job's row carries (only its rows: an attention job's stay as they were).
+MOE_KEYS = ("ep", "layer_id", "num_tokens", "balanced_routing")
 
 
 # -- one row per job ---------------------------------------------------------------------------
@@ -63,6 +67,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         return row
     case = result["case"]
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
+    row.update({k: case[k] for k in MOE_KEYS if k in case})
     row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
@@ -100,26 +105,16 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
     return row
 
 
-def _starts_text(start_pos) -> str:
-    if start_pos is None:
-        return "canonical"
-    if isinstance(start_pos, list):
-        head = ",".join(str(s) for s in start_pos[:3])
-        return f"[{head},...]({len(start_pos)})" if len(start_pos) > 3 else f"[{head}]"
-    return str(start_pos)
-
-
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
-    grouped = any((r.get("dp") or 1) > 1 for r in rows)
-    head = ["job", "layer", "scope", "model", "tp", *(["dp"] if grouped else []), "local_t", "start_pos", "verdict",
-            "tensor", "max|diff|", "bad", "wall_s"]
+    keys = case_columns(rows)
+    head = ["job", "layer", "scope", "model", *keys, "verdict", "tensor", "max|diff|", "bad", "wall_s"]
     benched = any(r.get("bench_median_s") is not None for r in rows)
     cells = [head + ["bench_ms"] if benched else head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
-        cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), fmt(r.get("tp")),
-                      *([fmt(r.get("dp"))] if grouped else []), fmt(r.get("local_t")), _starts_text(r.get("start_pos")),
+        case = [starts_text(r.get(k)) if k == "start_pos" else fmt(r.get(k)) for k in keys]
+        cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), *case,
                       r["verdict"], fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
         if benched:
             median = r.get("bench_median_s")
@@ -274,18 +269,20 @@ def collect_rows(sweep_dir: str, interrupted: bool = False) -> list[dict]:
 
 
 def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
-    """summary.json, junit.xml and the table of the sweep in `sweep_dir`; its exit status."""
+    """summary.json, junit.xml, report.html and the table of the sweep in `sweep_dir`; its exit
+    status."""
     rows = collect_rows(sweep_dir, interrupted)
     counts = {name: sum(r["verdict"] == v for r in rows) for name, v in SUMMARY_COUNTS.items()}
     summary = {"sweep_dir": os.path.abspath(sweep_dir), "n_jobs": len(rows), **counts, "interrupted": interrupted,
                "jobs": rows}
     _write_json(os.path.join(sweep_dir, "summary.json"), summary)
     junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
+    page = write_sweep_page(sweep_dir, summary)
     print("\n".join(table(rows)))
     unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
     print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors{unchecked}, "
           f"{counts['skipped']} skipped of {len(rows)}{' (interrupted)' if interrupted else ''}; "
-          f"summary.json and junit.xml in {sweep_dir}")
+          f"summary.json, junit.xml{' and report.html' if page else ''} in {sweep_dir}")
     return exit_status(rows)
 
 

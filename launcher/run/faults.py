@@ -48,7 +48,7 @@ def at_stage_start(fault: Fault | None, stage: str, rank: int) -> None:
 
 def on_outputs(fault: Fault | None, rank: int, outputs: dict[str, torch.Tensor], output: str, seq: int) -> None:
     """Injects an output fault (nan, corrupt) into the first `seq` rows of this rank's layer
-    output (`output`: x_out, or the MoE layer's x_next), in place."""
+    output `output`, in place."""
     if fault is None or fault.rank != rank or fault.kind not in OUTPUT_KINDS:
         return
     rows = outputs[output][:seq]

@@ -350,7 +350,8 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         # The benchmark restores the in-out tensors to their values before the step.
         pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
         outputs = impl(ctx, tensors)
-        faults.on_outputs(spec.fault, rank, outputs, layer.names_of(case, Kind.OUTPUT)[0], case.seq)
+        # An output fault hits the layer's output (x_out, x_next), a focused scope's first in-out.
+        faults.on_outputs(spec.fault, rank, outputs, (layer.names_of(case, Kind.OUTPUT) or compared)[0], case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
     with timer.stage("gather"):
         if not spec.bench:
