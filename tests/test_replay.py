@@ -101,7 +101,7 @@ def test_a_long_context_snapshot_without_manifest_replays_alone(tmp_path, tp_run
     (snap / "manifest.json").unlink()  # as the reference writes it
     p = run_cli([f"golden_data={snap}"], tmp_path, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"snapshot {snap}: layer=hca scope=full model=tiny tp=2 local_t=8 start_pos=1040000" in p.stdout
+    assert f"snapshot {snap}: layer=hca scope=full model=tiny tp=2 local_t=8 seed=20260819 start_pos=1040000" in p.stdout
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["case"]["start_pos"] == 1040000 and result["passed"]
 
