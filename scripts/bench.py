@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -269,8 +270,44 @@ def run_golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int
     return time.perf_counter() - t0, json.loads(out.strip().splitlines()[-1])
 
 
-def bench_flash(tmp: str, repeats: int, layer: str = "csa", tp: int = 2, local_t: int = 64) -> dict:
-    """End to end at flash dims vs the golden of the same shards computed alone in one process."""
+def run_reference(reference: str, tp: int, local_t: int, threads: int | None) -> tuple[float, dict]:
+    """The public reference's own fixture + golden of the same shards, in a fresh process
+    (`scripts/reference_run.py`, importing the user's pypto-lib checkout): (wall s, its split)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "reference_run.py"), f"--reference={reference}", f"--tp={tp}",
+           f"--local-t={local_t}"] + ([f"--threads={threads}"] if threads is not None else [])
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    return time.perf_counter() - t0, json.loads(out.strip().splitlines()[-1])
+
+
+def bench_reference(tmp: str, reference: str, pairs: int, threads: int | None, layer: str = "csa", tp: int = 2,
+                    local_t: int = 64) -> dict:
+    """`python -m launcher layer=csa model=flash ...` end to end against the reference's own
+    fixture + golden of the same two shards, measured alternately `pairs` times: the median of
+    the pairs' ratios (the reference's time swings with the load more than ours)."""
+    if layer != "csa":
+        raise SystemExit("--reference compares the CSA layer (the reference's decode_csa)")
+    out: dict = {"case": f"{layer} flash tp={tp} local_t={local_t}", "pairs": [], "load": [os.getloadavg()[0]]}
+    for i in range(pairs):
+        ours = run_launcher(os.path.join(tmp, f"vs-reference{i}"), case_keys(layer, "flash", tp, local_t))
+        theirs, split = run_reference(reference, tp, local_t, threads)
+        out["pairs"].append({"ours_s": ours.wall_s, "reference_s": theirs, "ratio": ours.wall_s / theirs,
+                             "reference": split, "ours_stages": ours.stage_walls()})
+        print(f"  pair {i + 1}/{pairs}: ours {ours.wall_s:.2f} s, reference {theirs:.2f} s, "
+              f"ratio {ours.wall_s / theirs:.2f} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    out["load"].append(os.getloadavg()[0])
+    med = lambda key: statistics.median(p[key] for p in out["pairs"])  # noqa: E731
+    out.update({"median_ratio": med("ratio"), "target": 0.7, "median_ours_s": med("ours_s"),
+                "median_reference_s": med("reference_s"),
+                "reference_threads": out["pairs"][0]["reference"]["threads"] if out["pairs"] else None})
+    return out
+
+
+def bench_flash(tmp: str, repeats: int, layer: str = "csa", tp: int = 2, local_t: int = 64,
+                reference: str | None = None, pairs: int = 5, reference_threads: int | None = None) -> dict:
+    """End to end at flash dims vs the golden of the same shards computed alone in one process
+    and, given a pypto-lib checkout, vs the reference's own fixture + golden (`bench_reference`)."""
+    vs_reference = bench_reference(tmp, reference, pairs, reference_threads, layer, tp, local_t) if reference else None
     e2e, alone = [], []
     for i in range(repeats):
         e2e.append(run_launcher(os.path.join(tmp, f"flash{i}"), case_keys(layer, "flash", tp, local_t)))
@@ -293,6 +330,7 @@ def bench_flash(tmp: str, repeats: int, layer: str = "csa", tp: int = 2, local_t
         "shares": {k: v / b.wall_s for k, v in walls.items()}, "walls": walls,
         "rank_seconds": b.result.get("rank_seconds"),
         "cached_e2e_s": cached.wall_s, "cached_golden_s": cached.stage_walls()["golden"],
+        **({"reference": vs_reference} if vs_reference else {}),
     }
 
 
@@ -520,7 +558,21 @@ def report_flash(r: dict) -> str:
         ["ratio end to end / golden compute only", f"{r['ratio_vs_compute']:.2f}", ""],
         ["end to end with a warm golden cache (golden stage)", f"{r['cached_e2e_s']:.2f} ({r['cached_golden_s']:.2f})", ""],
     ]
-    return f"{r['case']}\n\n" + _table(["stage", "wall s", "share"], rows)
+    text = f"{r['case']}\n\n" + _table(["stage", "wall s", "share"], rows)
+    return text + ("\n\n" + report_reference(r["reference"]) if "reference" in r else "")
+
+
+def report_reference(r: dict) -> str:
+    """The alternated pairs against the reference, and their median ratio."""
+    rows = [[i + 1, f"{p['ours_s']:.2f}", f"{p['reference_s']:.2f}",
+             f"{p['reference']['import_s']:.2f} / {p['reference']['fixture_s']:.2f} / {p['reference']['golden_s']:.2f}",
+             f"{p['ratio']:.2f}"] for i, p in enumerate(r["pairs"])]
+    rows.append(["**median**", f"{r['median_ours_s']:.2f}", f"{r['median_reference_s']:.2f}", "",
+                 f"**{r['median_ratio']:.2f}**"])
+    head = ["pair", "ours: `python -m launcher` end to end", "reference: fixture + golden, whole process",
+            "of which import / fixture / golden", "ratio (target <= 0.7)"]
+    return (f"{r['case']} against the reference (its golden on {r['reference_threads']} threads), load average "
+            f"{r['load'][0]:.1f} -> {r['load'][1]:.1f}\n\n" + _table(head, rows))
 
 
 def memory_estimate(ws: dict, rank: int) -> dict:
@@ -603,6 +655,11 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--local-t", type=int, default=64)
     ap.add_argument("--threads", type=int, default=CORES)
+    ap.add_argument("--reference", default=None,
+                    help="flash: also compare with the reference's own fixture + golden, from this pypto-lib checkout")
+    ap.add_argument("--pairs", type=int, default=5, help="flash --reference: alternated pairs; the median ratio is reported")
+    ap.add_argument("--reference-threads", type=int, default=None,
+                    help="flash --reference: the reference golden's threads (PYPTO_GOLDEN_NUM_THREADS; default its own)")
     ap.add_argument("--merge", action="store_true",
                     help="scaling: keep, per point, the minimum with the figures already in bench.json")
     args = ap.parse_args()
@@ -625,7 +682,8 @@ def main() -> int:
             if what == "launch":
                 r = bench_launch(tmp, args.repeats)
             elif what == "flash":
-                r = bench_flash(tmp, args.repeats, args.layer, args.tp, args.local_t)
+                r = bench_flash(tmp, args.repeats, args.layer, args.tp, args.local_t,
+                                args.reference and os.path.abspath(args.reference), args.pairs, args.reference_threads)
             elif what == "memory":
                 r = bench_memory(tmp, layers)
             elif what == "threads":

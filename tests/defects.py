@@ -255,3 +255,106 @@ class MoeProcessesTokensPastNumTokens(TorchTP):
         if ctx.rank == 1:
             tensors = {**tensors, "num_tokens": torch.tensor(ctx.case.tokens, dtype=torch.int32)}
         return super().__call__(ctx, tensors)
+
+
+# -- defects inside the reference's pooled budgets (integrity checks) ----------------------------
+class CacheTamperedAfterAttention(StageDefect):
+    """The kv cache insert runs and attention reads the right rows, so x_out is right; then
+    `tamper` changes the cache rows of `tokens` on each rank of `ranks` (a copy of the rows,
+    written back), as a kernel that attends over its fresh kv but botches the cache write."""
+
+    stages = ("cache_insert", "attention")
+    ranks: tuple[int, ...] = (1,)
+    groups: tuple[int, ...] | None = None  # the TP groups of a dp x tp launch it tampers in (None: all)
+    tokens = slice(-2, None)  # the rank's last two tokens
+
+    def tamper(self, rank: int, rows: torch.Tensor, before: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def defective(self, stage, ctx, v):
+        flat = v["kv_cache"].view(-1, v["kv_cache"].shape[-1])
+        if stage.name == "cache_insert":
+            mapping = v[next(n for n in stage.reads if n.endswith("slot_mapping"))]
+            slots = mapping[self.tokens]
+            self._slots = slots[slots >= 0].to(torch.int64)
+            self._before = flat[self._slots].clone()
+            return stage.run(ctx, v)
+        out = stage.run(ctx, v)
+        if ctx.rank in self.ranks and (self.groups is None or ctx.group_index in self.groups):
+            rows = flat[self._slots]
+            self.tamper(ctx.rank, rows, self._before)
+            flat[self._slots] = rows
+        return out
+
+
+class SkipTokenCacheWrites(CacheTamperedAfterAttention):
+    """Rank 1 never writes its last two tokens' kv cache rows: they keep their value from
+    before the step (inside the pooled 0.5 % budget at small and flash dims)."""
+
+    def tamper(self, rank, rows, before):
+        rows.copy_(before)
+
+
+class HugeValueInCache(CacheTamperedAfterAttention):
+    """Rank 1 writes 1e30 into one value of its last token's kv cache row."""
+
+    tokens = slice(-1, None)
+
+    def tamper(self, rank, rows, before):
+        rows[0, 0] = 1e30
+
+
+class HugeValueInGroup1Cache(HugeValueInCache):
+    """HugeValueInCache in TP group 1 of a dp x tp launch only."""
+
+    groups = (1,)
+
+
+class SkipWriteAndHugeValue(CacheTamperedAfterAttention):
+    """Both at once, one token each: rank 0 writes 1e30 into its last token's kv cache row,
+    rank 1 never writes its last token's row."""
+
+    ranks = (0, 1)
+    tokens = slice(-1, None)
+
+    def tamper(self, rank, rows, before):
+        if rank == 1:
+            rows.copy_(before)
+        else:
+            rows[0, 0] = 1e30
+
+
+class CorruptPureInputs(TorchTP):
+    """Rank 1 computes the right outputs, then scales its wq_a by -3 and shifts its slot
+    mapping by 7 in place (pure inputs: the contract lets only the in-out tensors change)."""
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.rank == 1:
+            tensors["wq_a"].mul_(-3)
+            mapping = next(n for n in tensors if n.endswith("slot_mapping"))
+            tensors[mapping].add_(7)
+        return out
+
+
+class MoeHugeValueInXNext(TorchTP):
+    """Rank 1 writes 1e30 into one value of its x_next: one point of the pooled 5 % budget, and
+    ratio_reldiff puts no cap on a single point of the MoE layer."""
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.rank == 1:
+            out["x_next"][0, 0, 0] = 1e30
+        return out
+
+
+class MoeCorruptsItsInputs(TorchTP):
+    """Rank 1 computes the right x_next, then scales its x_hc by -3 and shifts its input_ids by
+    7 in place (both pure inputs)."""
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.rank == 1:
+            tensors["x_hc"].mul_(-3)
+            tensors["input_ids"].add_(7)
+        return out

@@ -40,6 +40,16 @@ def _preflight(*overrides: str):
         (["tp=2", "model=tiny", "impl._target_=nowhere.Impl"], "impl._target_='nowhere.Impl' cannot be imported"),
         (["tp=2", "model=tiny", "timeout_s=0"], "timeout_s=0"),
         (["tp=2", "model=tiny", "model.num_attention_heads=12"], "num_attention_heads must be a multiple of o_groups"),
+        # Fields whose nonsense values give a NaN golden or a crash in it.
+        (["model=tiny", "model.rms_norm_eps=-1"], "rms_norm_eps=-1.0 must be > 0"),
+        (["model=tiny", "model.rms_norm_eps=nan"], "rms_norm_eps=nan must be finite"),
+        (["model=tiny", "model.hc_eps=0"], "hc_eps=0.0 must be > 0"),
+        (["model=tiny", "model.hc_sinkhorn_iters=0"], "hc_sinkhorn_iters=0 must be >= 1"),
+        (["model=tiny", "model.rope_theta=0"], "rope_theta=0.0 must be > 1"),
+        (["model=tiny", "model.compress_rope_theta=1"], "compress_rope_theta=1.0 must be > 1"),
+        (["model=tiny", "model.rope_factor=0"], "rope_factor=0.0 must be >= 1"),
+        (["model=tiny", "model.beta_fast=0"], "must satisfy 0 < beta_slow <= beta_fast"),
+        (["model=tiny", "model.original_max_position_embeddings=-5"], "original_max_position_embeddings=-5 must be >= 0"),
     ],
 )
 def test_invalid_config_is_refused_before_launch(overrides, message):
@@ -57,6 +67,7 @@ def test_invalid_config_is_refused_before_launch(overrides, message):
         (["model.hidden_size=abc"], "could not be converted to Integer"),
         (["model=huge"], "Could not find 'model/huge'"),
         (["tp=3", "model=tiny"], "tp=3 must divide o_groups=8"),
+        (["model=tiny", "model.rms_norm_eps=-1"], "rms_norm_eps=-1.0 must be > 0"),
     ],
 )
 def test_cli_prints_one_error_line_and_exits_2(tmp_path, args, message):

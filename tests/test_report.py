@@ -16,7 +16,11 @@ import torch
 
 from launcher.report.console import render
 from launcher.report import plots
-from launcher.verify.where import error_maps
+from launcher.report.sweep import job_row
+from launcher.report.sweep import table as sweep_table
+from launcher.verify import mapped_pool_ratio_allclose, ratio_reldiff
+from launcher.verify.base import initial_key
+from launcher.verify.where import error_maps, tally
 from layers.contract.checks import PoolCheck, RelDiffCheck
 
 from . import defects
@@ -105,6 +109,58 @@ def test_pool_grid_counts_mapped_misses_and_stray_writes_per_physical_block():
     assert want_blocks == [[0, w, 1, 0], [0, 0, 0, heads * w]]
 
 
+def _row_of(tensor: str, check, a: torch.Tensor, e: torch.Tensor, inputs: dict, comparator) -> tuple[dict, dict]:
+    """A verdict as the worker records it (figures, where, tally) and its sweep summary row."""
+    v = comparator.evaluate(a, e, inputs=inputs)
+    verdict = {"tensor": tensor, **v.to_dict(), "where": error_maps(tensor, check, a, e, inputs)}
+    verdict["tally"] = tally(verdict, check, a.shape)
+    result = {"case": {"layer": "swa"}, "status": "ok", "passed": False, "wall_s": 1.0, "verdicts": [verdict],
+              "reference_passed": False, "integrity": {"enabled": True, "passed": True, "checks": []}}
+    return verdict, job_row(0, [], "out", result)
+
+
+def test_a_golden_that_writes_stray_rows_has_a_row_that_counts_them():
+    """The comparator's own n_bad counts mapped values only (0 here); the row counts what the
+    detail and the grids count: every changed value of the rows the golden wrote outside the step."""
+    e = torch.rand(2, 4, 4, 3, 5, generator=torch.Generator().manual_seed(2))
+    a, before = e.clone(), e.clone()
+    mapping = torch.tensor([[0, 5, 6, -1], [2, 3, 9, 15]])
+    e[1, 2, 0] += 1.0  # row 8 of rank 1, not mapped: the golden wrote it (15 values)
+    cmp = mapped_pool_ratio_allclose("slot_mapping", mapping_shape=(2, 4), block_size=4, leading_rank_axis=True,
+                                     atol=POOL.atol, rtol=POOL.rtol, initial_name=initial_key("kv_cache"))
+    inputs = {"slot_mapping": mapping, initial_key("kv_cache"): before}
+    verdict, row = _row_of("kv_cache", POOL, a, e, inputs, cmp)
+    assert not verdict["passed"] and verdict["category"] == "golden" and verdict["figures"]["n_bad"] == 0
+    assert (row["n_bad"], row["numel"], row["max_abs_diff"]) == (15, a.numel(), pytest.approx(1.0))
+    assert sum(map(sum, verdict["where"][0]["bad"])) == 15
+    assert [r["n_bad"] for r in verdict["tally"]["per_rank"]] == [0, 15]
+    assert "0/" not in render_row(row)
+
+
+def test_a_nan_row_counts_its_nan_points():
+    """fault.kind=nan: 8192 NaN in x_out; the comparator counts finite points only (n_bad 0)."""
+    e = torch.rand(2, 64, 4, 32, generator=torch.Generator().manual_seed(3))
+    a = e.clone()
+    a[1, :8] = float("nan")
+    verdict, row = _row_of("x_out", RELDIFF, a, e, {}, ratio_reldiff(3e-3, 0.008, 1, rank_axis=True))
+    assert verdict["figures"]["n_bad"] == 0 and verdict["figures"]["nan_actual"] == 8 * 4 * 32
+    assert (row["n_bad"], row["numel"], row["worst"]) == (8 * 4 * 32, a.numel(), None)
+    assert f"{8 * 4 * 32}/{a.numel()}" in render_row(row)
+    per_rank = [ln.split()[:3] for ln in render(_result_of(verdict)).splitlines() if ln.split()[1:2] in (["ok"], ["bad"])]
+    assert per_rank == [["0", "ok", f"0/{a[0].numel()}"], ["1", "bad", f"1024/{a[1].numel()}"]]
+
+
+def render_row(row: dict) -> str:
+    return "\n".join(sweep_table([row]))
+
+
+def _result_of(verdict: dict) -> dict:
+    return {"case": {"layer": "swa", "model": "tiny", "tp": 2, "local_t": 64, "seed": 1, "start_pos": None,
+                     "backend": "gloo", "impl": "x"},
+            "status": "ok", "passed": False, "wall_s": 1.0, "rank_seconds": [{}, {}], "verdicts": [verdict],
+            "reference_passed": False, "integrity": {"enabled": False, "passed": None, "checks": []}}
+
+
 def test_a_shape_mismatch_has_no_grid():
     assert error_maps("x_out", RELDIFF, torch.zeros(2, 8, 4, 4), torch.zeros(2, 8, 4, 5), {}) == []
 
@@ -151,14 +207,16 @@ def _failing_result() -> dict:
     a[1, 0:8] = 1.0
     where = error_maps("x_out", RELDIFF, a, e, {}, seq=8)
     verdicts = [
-        {"tensor": "kv_cache", "passed": True, "label": "pool", "detail": "", "figures": {}, "per_rank": []},
+        {"tensor": "kv_cache", "passed": True, "label": "pool", "detail": "", "figures": {"n_bad": 0}, "per_rank": []},
         {"tensor": "x_out", "passed": False, "label": "ratio_reldiff(...)", "detail": "    ratio_reldiff fail",
          "figures": {"n_bad": 256, "numel": 1024}, "per_rank": [], "where": where},
     ]
+    verdicts[0]["tally"] = tally(verdicts[0], POOL, (2, 4, 4, 8))
+    verdicts[1]["tally"] = tally(verdicts[1], RELDIFF, a.shape)
     return {"case": {"layer": "swa", "model": "tiny", "tp": 2, "local_t": 16, "seed": 1, "start_pos": None,
                      "backend": "gloo", "impl": "x"},
             "status": "ok", "passed": False, "wall_s": 1.0, "rank_seconds": [{"fixture": 0.1}, {"fixture": 0.1}],
-            "verdicts": verdicts}
+            "verdicts": verdicts, "reference_passed": False, "integrity": {"enabled": True, "passed": True, "checks": []}}
 
 
 def test_render_says_where_the_bad_points_are():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -45,6 +46,22 @@ def test_save_then_replay_passes(tp_run, tmp_path, layer):
     replay = tp_run(layer=layer, tp=2, model="tiny", golden_data=str(out), recompute_golden=True)
     assert replay.passed, replay
     assert replay.result["reference"] == "snapshot" and "recomputed_verdicts" in replay.result
+
+
+def test_a_nonfinite_golden_is_a_reference_error_not_a_fail(tp_run, saved):
+    path = saved / "out" / "x_out.pt"
+    x = torch.load(path, weights_only=True)
+    x[1, 3, 0, :5] = float("nan")
+    torch.save(x, path)
+    manifest = json.loads((saved / "manifest.json").read_text())  # a consistent snapshot, its golden broken
+    manifest["sha256"]["out/x_out.pt"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    run = tp_run(layer="swa", tp=2, model="tiny", golden_data=str(saved))
+    assert run.exit_code == 2, run
+    err = run.result["error"]
+    assert (err["rank"], err["stage"]) == (1, "golden"), run
+    assert f"the snapshot's {saved}/out/x_out.pt holds 5 non-finite value(s) in x_out" in err["message"]
+    assert "GoldenNotFinite" in run.report and "a reference error" in run.report
 
 
 def test_tampered_output_fails_naming_it(tp_run, saved):

@@ -105,6 +105,19 @@ def test_a_mismatch_alone_exits_1(tmp_path):
     assert [j["verdict"] for j in summary["jobs"]] == ["FAIL", "PASS"]
 
 
+def test_a_nan_job_row_agrees_with_its_detail(tmp_path):
+    """x_out holds 8192 NaN: the comparator's n_bad counts finite points only (0); the row, the
+    table and JUnit count the NaN points as the detail does."""
+    p, summary, junit = multirun(tmp_path, "layer=swa", "model=tiny", "tp=2", "fault.kind=null,nan")
+    assert p.returncode == EXIT_FAIL, p.stdout + p.stderr
+    clean, nan = summary["jobs"]
+    assert (clean["verdict"], clean["n_bad"], clean["numel"]) == ("PASS", 0, 2 * 64 * 4 * 256)
+    assert (nan["verdict"], nan["tensor"], nan["n_bad"], nan["numel"]) == ("FAIL", "x_out", 8192, 2 * 64 * 4 * 256)
+    assert "NaN=8192" in nan["details"][0]
+    assert p.stdout[p.stdout.index("job  layer"):].splitlines()[2].split()[11] == "8192/131072"
+    assert "NaN=8192" in junit.find("testsuite").findall("testcase")[1].find("failure").text
+
+
 # -- the named sweeps, expanded as Hydra's basic sweeper expands them ----------------------------
 
 

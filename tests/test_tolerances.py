@@ -39,7 +39,11 @@ def perturbed(tp_run, tmp_path):
 def test_a_diagnostic_check_reports_its_failure_and_never_fails_the_run(tp_run, perturbed):
     failing = tp_run(golden_data=str(perturbed))
     assert failing.exit_code == 1, failing
-    run = tp_run(golden_data=str(perturbed), overrides=["tolerance.x_out.diagnostic=true"])
+    # A diagnostic reference check leaves the integrity checks on: an off-by-1 x_out still fails
+    # by its cap; with them off the run reproduces the reference's verdict alone.
+    capped = tp_run(golden_data=str(perturbed), overrides=["tolerance.x_out.diagnostic=true"])
+    assert capped.exit_code == 1 and "reference verdict: PASS, integrity: FAIL (x_out cap" in capped.report, capped
+    run = tp_run(golden_data=str(perturbed), overrides=["tolerance.x_out.diagnostic=true", "integrity=false"])
     assert run.exit_code == 0 and run.result["passed"], run
     x_out = run.verdict("x_out")
     assert x_out["diagnostic"] and not x_out["passed"] and x_out["kind"] == "budget+cap"

@@ -15,6 +15,7 @@ drawn in turn from `mixed_pattern` so that every rank's requests start different
 from __future__ import annotations
 
 import math
+import os
 
 from omegaconf import OmegaConf
 
@@ -69,8 +70,20 @@ def mixed_starts(*, _root_) -> list[int]:
     return [pattern[i % len(pattern)] for i in range(tp * (int(local_t) // m.decode_seq))]
 
 
+def golden_cache_dir() -> str:
+    """The golden cache's default folder: `$DSV4_TP_GOLDEN_CACHE` if set, else
+    `$XDG_CACHE_HOME/dsv4-tp-harness/golden` (the XDG base directory rule: only an absolute
+    XDG_CACHE_HOME counts), else `~/.cache/dsv4-tp-harness/golden`."""
+    if os.environ.get("DSV4_TP_GOLDEN_CACHE"):
+        return os.environ["DSV4_TP_GOLDEN_CACHE"]
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join("~", ".cache")
+    return os.path.join(base, "dsv4-tp-harness", "golden")
+
+
 def register_resolvers() -> None:
     """Make the resolvers known to OmegaConf (before any config is composed)."""
     OmegaConf.register_new_resolver("capacity", capacity, replace=True)
     OmegaConf.register_new_resolver("row_block_below", row_block_below, replace=True)
     OmegaConf.register_new_resolver("mixed_starts", mixed_starts, replace=True)
+    OmegaConf.register_new_resolver("golden_cache_dir", golden_cache_dir, replace=True)

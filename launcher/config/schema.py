@@ -78,6 +78,7 @@ class RunSchema:
     save_overwrite: bool = False
     recompute_golden: bool = False
     golden_cache: Optional[str] = None
+    golden_cache_max_gb: Optional[float] = 4.0  # the cache's size cap (LRU eviction); None = no cap
     fault: FaultSchema = field(default_factory=FaultSchema)
     nnodes: int = 1
     node_rank: int = 0
@@ -89,6 +90,7 @@ class RunSchema:
     golden: bool = True  # false: performance only, no golden and no comparison (verdict UNCHECKED)
     bench: BenchSchema = field(default_factory=BenchSchema)
     profile: bool = False  # torch.profiler traces of the benchmark rounds, one per rank
+    integrity: bool = True  # integrity checks beside the reference comparators (launcher.verify.integrity)
     # Open to any key (`tolerance.x_out.diff_thd=4e-3` needs no `+`); launcher.config.tolerance
     # checks the names against the layers' checks instead.
     tolerance: Any = field(default_factory=lambda: DictConfig({}, flags={"struct": False}))

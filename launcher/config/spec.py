@@ -69,6 +69,7 @@ class RunSpec:
     tolerances: Tolerances = Tolerances()  # what the tolerance config sets for this case's checks
     recompute_golden: bool = False  # with golden_data: also compare against a recomputed golden
     golden_cache: Optional[str] = None  # folder of cached goldens; None disables the cache
+    golden_cache_max_bytes: Optional[int] = None  # the cache's size cap (LRU eviction); None = no cap
     fault: Optional[Fault] = None
     nnodes: int = 1
     node_rank: int = 0
@@ -80,6 +81,7 @@ class RunSpec:
     dp: int = 1  # TP groups side by side: the world is dp * tp ranks (launcher.run.groups)
     golden: bool = True  # False: a performance-only run, no golden and no comparison (UNCHECKED)
     bench: Optional[BenchSpec] = None  # benchmark rounds after the validated step
+    integrity: bool = True  # the integrity checks beside the reference comparators also judge the run
 
     @property
     def layer(self) -> Layer:
@@ -190,9 +192,11 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         save_overwrite=bool(cfg.save_overwrite),
         recompute_golden=bool(cfg.recompute_golden),
         golden_cache=_path(cfg.golden_cache),
+        golden_cache_max_bytes=_cache_cap(cfg.golden_cache_max_gb),
         fault=fault,
         bisect=bool(cfg.bisect),
         report_plots=bool(cfg.report.plots),
+        integrity=bool(cfg.integrity),
         dp=dp,
         golden=golden,
         bench=bench,
@@ -342,6 +346,15 @@ def default_timeout_s(model: ModelConfig) -> float:
 
 def _path(value: Optional[str]) -> Optional[str]:
     return os.path.abspath(os.path.expanduser(str(value))) if value else None
+
+
+def _cache_cap(gb: Optional[float]) -> Optional[int]:
+    """golden_cache_max_gb in bytes (GB = 10^9 bytes, as `du --si` shows it)."""
+    if gb is None:
+        return None
+    if not gb > 0:
+        raise ConfigError(f"golden_cache_max_gb={gb} must be > 0 (null: no cap; golden_cache=null: no cache)")
+    return int(gb * 1e9)
 
 
 # -- the case of a run refused before a RunSpec exists --------------------------------------------

@@ -1,9 +1,11 @@
 """The console report of a run: what `python -m launcher` prints after the ranks are done.
 
 `render(result)` needs nothing but the result dict (`launcher.report.result`): the case line,
-the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank), each
-failing tensor's comparator account, where its errors are (the grids of
-`launcher.verify.where`, as text), the bisect table when there is one, and the verdict line.
+the slowest rank's stage times, the reference, a table of verdicts (pooled and per rank, by
+each verdict's `tally`), each failing tensor's comparator account, where its errors are (the
+grids of `launcher.verify.where`, as text), the integrity checks (a table, each failing one's
+account, and the line that sets the reference verdict beside them), the bisect table when
+there is one, and the verdict line.
 `fmt`, `starts_text` and `table_lines` are the formats the sweep's table and the HTML pages
 share.
 """
@@ -12,8 +14,9 @@ from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.tolerance import fails_the_run
-from launcher.report.result import verdict
+from launcher.report.result import integrity_failures, verdict, verdict_pair
 from launcher.verify.bisect import render as render_bisect
+from launcher.verify.integrity import CHECKS
 
 
 def fmt(v) -> str:
@@ -138,16 +141,19 @@ def render(result: dict) -> str:
         for g in result["groups"]:
             lines.append(f"group {g['group']} (global ranks {g['ranks'][0]}-{g['ranks'][-1]}, seed {g['seed']}): "
                          f"{'PASS' if g['passed'] else 'FAIL'}")
-            lines += ["  " + ln for ln in _verdict_lines(g["verdicts"], g["ranks"])]
+            lines += ["  " + ln for ln in _verdict_lines(g["verdicts"], g["ranks"]) + _integrity_lines(g["integrity"])]
     else:
         lines += _verdict_lines(result["verdicts"])
     if "recomputed_verdicts" in result:
         lines.append("against the golden recomputed from the snapshot's in/:")
         lines += _verdict_lines(result["recomputed_verdicts"])
+    if "groups" not in result:
+        lines += _integrity_lines(result["integrity"])
+    lines.append(verdict_pair(result))
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
     verdicts = result["verdicts"] + result.get("recomputed_verdicts", [])
-    failed = sorted({v["tensor"] for v in verdicts if fails_the_run(v)})
+    failed = sorted({v["tensor"] for v in verdicts if fails_the_run(v)} | {c["tensor"] for c in integrity_failures(result)})
     diagnostic = sorted({v["tensor"] for v in verdicts if v.get("diagnostic") and not v["passed"]})
     shown = f" (diagnostic, not counted: {', '.join(diagnostic)} FAIL)" if diagnostic else ""
     groups = [g["group"] for g in result.get("groups", []) if not g["passed"]]
@@ -221,12 +227,13 @@ def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) 
     group's own rank numbers."""
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
     for v in verdicts:
-        f = v.get("figures", {})
-        rows.append([v["tensor"], "all", _verdict_word(v), _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")),
+        t = v["tally"]
+        rows.append([v["tensor"], "all", _verdict_word(v), _bad(t), fmt(t["max_abs_diff"]), fmt(t["worst"]),
                      comparator_text(v)])
-        for pr in v.get("per_rank", []):
+        worst = {pr["rank"]: pr.get("worst") for pr in v.get("per_rank", [])}
+        for pr in t["per_rank"]:
             rank = str(pr["rank"]) if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
-            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")), fmt(pr.get("worst")), ""])
+            rows.append(["", rank, "ok" if not pr["n_bad"] else "bad", _bad(pr), fmt(pr["max_abs_diff"]), fmt(worst.get(pr["rank"])), ""])
     lines = table_lines(rows)
     for v in verdicts:
         if not v["passed"]:
@@ -238,9 +245,30 @@ def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) 
 
 
 def _bad(figures: dict) -> str:
-    if "n_bad" not in figures:
+    if figures.get("n_bad") is None:
         return "-"
     return f"{figures['n_bad']}/{figures.get('numel', '?')}"
+
+
+def _integrity_lines(entry: dict) -> list[str]:
+    """One row per tensor, one column per integrity check (bad/looked at), then the failures."""
+    if not entry["enabled"]:
+        return ["integrity: off (integrity=false: the reference comparators alone decide)"]
+    if not entry["checks"]:
+        return ["integrity: no checks here (a focused scope's stage checks allow no bad point: no budget to hide in)"]
+    checks = [(c, "") for c in entry["checks"]]
+    checks += [(c, " (against the golden recomputed from in/)") for c in entry.get("recomputed_checks", [])]
+    cells: dict[str, dict[str, str]] = {}
+    for c in entry["checks"]:
+        f = c["figures"]
+        cells.setdefault(c["tensor"], {})[c["check"]] = f"{f['n_bad']}/{f['numel']}" + ("" if c["passed"] else " FAIL")
+    rows = [["integrity", *CHECKS]] + [[t, *(got.get(k, "-") for k in CHECKS)] for t, got in cells.items()]
+    lines = table_lines(rows)
+    for c, against in checks:
+        if not c["passed"]:
+            lines.append(f"{c['tensor']} integrity {c['check']} FAIL{against}")
+            lines += c["detail"].splitlines()
+    return lines
 
 
 # -- where the errors are ----------------------------------------------------------------------

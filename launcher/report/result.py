@@ -10,7 +10,13 @@ one: status "config-error" (refused by the preflight), "skipped" (a sweep with f
 a failed job) or "error" with stage "launcher" (the launcher process itself raised).
 
 Where the errors are: a failing verdict may carry `where`, the grids of `launcher.verify.where`
-(bad points per rank x token block / hc copy / physical block).
+(bad points per rank x token block / hc copy / physical block); every verdict carries `tally`,
+the figures its summary row shows (`launcher.verify.where.tally`).
+
+Two verdicts decide `passed`: the reference comparators' (`reference_passed`, every entry of
+`verdicts`) and the integrity checks beside them (`integrity`, `launcher.verify.integrity`:
+`{"enabled", "passed", "checks": [...], "recomputed_checks": [...]}`; with integrity=false
+enabled is false, passed None and the reference verdict alone decides).
 
 `write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`,
 through `launcher.report.run_page.write_result_and_page`, which adds the run's report.html),
@@ -106,7 +112,10 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
     # The top level is the first group that did not pass (group 0 when all did); with several
     # TP groups, `groups` holds each group's own verdicts.
     shown = next((g for g in groups if not g["passed"]), groups[0])
-    result.update(passed=all(g["passed"] for g in groups), reference=shown["reference"], verdicts=shown["verdicts"])
+    integrity = {**shown["integrity"], "passed": None if not shown["integrity"]["enabled"]
+                 else all(g["integrity"]["passed"] for g in groups)}
+    result.update(passed=all(g["passed"] for g in groups), reference=shown["reference"], verdicts=shown["verdicts"],
+                  reference_passed=all(g["reference_passed"] for g in groups), integrity=integrity)
     for key in ("recomputed_verdicts", "bisect"):
         if key in shown:
             result[key] = shown[key]
@@ -117,20 +126,66 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
 
 def _group_entry(group: dict) -> dict:
     """One TP group's verdicts: against the snapshot when one is replayed, else the computed
-    golden (the recomputed golden beside a snapshot as `recomputed_verdicts`)."""
+    golden (the recomputed golden beside a snapshot as `recomputed_verdicts`), and the
+    integrity checks beside them."""
     entry = {"group": group["group"], "ranks": group["ranks"], "seed": group["seed"]}
     comparisons = group["comparisons"]
     if comparisons is None:
         return {**entry, "passed": None, "reference": None, "verdicts": None}
     primary = "snapshot" if "snapshot" in comparisons else "golden"
     verdicts = comparisons[primary]
-    entry.update(reference=primary, verdicts=verdicts,
-                 passed=not any(fails_the_run(v) for vs in comparisons.values() for v in vs))
+    integrity = _integrity_entry(group["integrity"], primary)
+    reference_passed = not any(fails_the_run(v) for vs in comparisons.values() for v in vs)
+    entry.update(reference=primary, verdicts=verdicts, reference_passed=reference_passed, integrity=integrity,
+                 passed=reference_passed and integrity["passed"] is not False)
     if primary == "snapshot" and "golden" in comparisons:
         entry["recomputed_verdicts"] = comparisons["golden"]
     if group.get("bisect") is not None:
         entry["bisect"] = group["bisect"]
     return entry
+
+
+def _integrity_entry(integrity: dict | None, primary: str) -> dict:
+    """result.json's `integrity`: the checks against the primary reference, and against the
+    golden recomputed beside a replayed snapshot."""
+    if integrity is None:
+        return {"enabled": False, "passed": None, "checks": []}
+    entry = {"enabled": True, "passed": all(c["passed"] for cs in integrity.values() for c in cs),
+             "checks": integrity[primary]}
+    if primary == "snapshot" and "golden" in integrity:
+        entry["recomputed_checks"] = integrity["golden"]
+    return entry
+
+
+def integrity_failures(result: dict) -> list[dict]:
+    """The failing integrity checks of a run (against every reference; of every TP group, each
+    named by its `group`, when there are several)."""
+    def failing(entry: dict) -> list[dict]:
+        return [c for c in entry.get("checks", []) + entry.get("recomputed_checks", []) if not c["passed"]]
+
+    if "groups" in result:
+        return [{**c, "group": g["group"]} for g in result["groups"] for c in failing(g.get("integrity") or {})]
+    return failing(result.get("integrity") or {})
+
+
+def check_name(check: dict) -> str:
+    """`kv_cache written_rows`, `group 1 kv_cache written_rows` in a launch of several groups."""
+    return ("" if check.get("group") is None else f"group {check['group']} ") + f"{check['tensor']} {check['check']}"
+
+
+def integrity_verdict(result: dict) -> str:
+    """`integrity: off`, `integrity: PASS` or `integrity: FAIL (kv_cache written_rows: 2 unwritten row(s) ...)`."""
+    if not result["integrity"]["enabled"]:
+        return "integrity: off"
+    failures = integrity_failures(result)
+    if not failures:
+        return "integrity: PASS"
+    return "integrity: FAIL (" + "; ".join(f"{check_name(c)}: {c['summary']}" for c in failures) + ")"
+
+
+def verdict_pair(result: dict) -> str:
+    """The reference verdict beside the integrity one: `reference verdict: PASS, integrity: FAIL (...)`."""
+    return f"reference verdict: {'PASS' if result['reference_passed'] else 'FAIL'}, {integrity_verdict(result)}"
 
 
 # -- results of runs that never reached the ranks ----------------------------------------------

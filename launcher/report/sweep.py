@@ -4,9 +4,11 @@
 each job starts and ends, and at the end of the multirun writes, into the sweep directory:
 
 * `summary.json`: `{"sweep_dir", "n_jobs", "passed", "failed", "errors", "skipped", "jobs": [...]}`,
-  one entry per job (its overrides, case, verdict, worst tensor and figures, message, wall time);
-* `junit.xml`: one testsuite, one testcase per job; a FAIL carries the comparators' messages
-  as `<failure>`, a crashed or refused job an `<error>`, a fail_fast skip `<skipped>`;
+  one entry per job (its overrides, case, verdict, the reference verdict and the integrity
+  verdict beside it, worst tensor and the figures of its row, message, wall time);
+* `junit.xml`: one testsuite, one testcase per job; a FAIL carries the comparators' and the
+  failing integrity checks' messages as `<failure>`, a crashed or refused job an `<error>`, a
+  fail_fast skip `<skipped>`;
 * `report.html`: the same jobs as a page, each linking to its own (`launcher.report.sweep_page`);
 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
@@ -34,7 +36,16 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
 from launcher.report.console import case_columns, comparator_text, fmt, starts_text, table_lines
-from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, verdict
+from launcher.report.result import (
+    EXIT_ERROR,
+    EXIT_FAIL,
+    EXIT_PASS,
+    check_name,
+    integrity_failures,
+    integrity_verdict,
+    verdict,
+    verdict_pair,
+)
 from launcher.report.sweep_page import write_sweep_page
 
 SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP", "unchecked": "UNCHECKED"}
@@ -48,11 +59,12 @@ MOE_KEYS = ("ep", "layer_id", "num_tokens", "balanced_routing")
 # -- one row per job ---------------------------------------------------------------------------
 
 
-def _worst(verdicts: list[dict]) -> dict | None:
-    """The verdict to name in a summary: one that fails the run first, then the largest max
-    |diff|, then the latest in validation order (x_out, the layer's output, comes last)."""
+def _worst(verdicts: list[dict], failed: set[str]) -> dict | None:
+    """The verdict to name in a summary: one of a failed tensor (reference or integrity) first,
+    then the largest max |diff|, then the latest in validation order (x_out, the layer's
+    output, comes last)."""
     def key(v):
-        return (fails_the_run(v), v.get("figures", {}).get("max_abs_diff") or 0.0)
+        return (v["tensor"] in failed, v["tally"]["max_abs_diff"] or 0.0)
 
     return max(reversed(verdicts), key=key, default=None)
 
@@ -72,22 +84,27 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
     failed = [v for v in verdicts if fails_the_run(v)]
-    row["failed_tensors"] = sorted({v["tensor"] for v in failed})
+    broken = integrity_failures(result)
+    row["failed_tensors"] = sorted({v["tensor"] for v in failed} | {c["tensor"] for c in broken})
     # Every check's effective comparator; `overridden`: what the tolerance config set.
     row["checks"] = [{"tensor": v["tensor"], "comparator": v["label"], "passed": v["passed"],
                       "diagnostic": bool(v.get("diagnostic")), "overridden": v.get("overridden") or {}}
                      for v in result.get("verdicts", [])]
     row["tolerance_profile"] = (result.get("tolerance") or {}).get("profile")
-    worst = _worst(verdicts)
-    figures = worst.get("figures", {}) if worst else {}
+    worst = _worst(verdicts, set(row["failed_tensors"]))
+    tally = worst["tally"] if worst else {}
     row.update(
         tensor=worst["tensor"] if worst else None,
         comparator=worst["label"] if worst else None,
-        max_abs_diff=figures.get("max_abs_diff"),
-        worst=figures.get("worst"),
-        n_bad=figures.get("n_bad"),
-        numel=figures.get("numel"),
+        max_abs_diff=tally.get("max_abs_diff"),
+        worst=tally.get("worst"),
+        n_bad=tally.get("n_bad"),
+        numel=tally.get("numel"),
     )
+    if "integrity" in result:  # a run that compared
+        row["reference_verdict"] = "PASS" if result["reference_passed"] else "FAIL"
+        row["integrity"] = ("PASS" if result["integrity"]["passed"] else "FAIL") if result["integrity"]["enabled"] else "off"
+        row["integrity_failed"] = [check_name(c) for c in broken]
     row["verdict"] = verdict(result)
     row["exit_code"] = EXIT_CODES[row["verdict"]]
     if result.get("bench"):
@@ -100,22 +117,26 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         row["message"] = f"{where}{stage}{e['message']}"
         row["traceback"] = e.get("traceback", "")
     else:
-        row["message"] = "; ".join(f"{v['tensor']} FAIL ({comparator_text(v)})" for v in failed)
+        messages = [f"{v['tensor']} FAIL ({comparator_text(v)})" for v in failed]
+        if broken:  # the integrity verdict beside the reference one, when it decides
+            messages.append(integrity_verdict(result) if failed else verdict_pair(result))
+        row["message"] = "; ".join(messages)
         row["details"] = [f"{v['tensor']} FAIL ({comparator_text(v)})\n{v['detail']}" for v in failed]
+        row["details"] += [f"{check_name(c)} integrity FAIL\n{c['detail']}" for c in broken]
     return row
 
 
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
     keys = case_columns(rows)
-    head = ["job", "layer", "scope", "model", *keys, "verdict", "tensor", "max|diff|", "bad", "wall_s"]
+    head = ["job", "layer", "scope", "model", *keys, "verdict", "integrity", "tensor", "max|diff|", "bad", "wall_s"]
     benched = any(r.get("bench_median_s") is not None for r in rows)
     cells = [head + ["bench_ms"] if benched else head]
     for r in rows:
         bad = f"{r['n_bad']}/{r['numel']}" if r.get("n_bad") is not None else "-"
         case = [starts_text(r.get(k)) if k == "start_pos" else fmt(r.get(k)) for k in keys]
         cells.append([str(r["job"]), fmt(r.get("layer")), fmt(r.get("scope")), fmt(r.get("model")), *case,
-                      r["verdict"], fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
+                      r["verdict"], fmt(r.get("integrity")), fmt(r.get("tensor")), fmt(r.get("max_abs_diff")), bad, fmt(r.get("wall_s"))])
         if benched:
             median = r.get("bench_median_s")
             cells[-1].append(fmt(median * 1e3) if median is not None else "-")

@@ -52,15 +52,22 @@ from launcher.config.tolerance import fails_the_run
 from launcher.run import bench, devices, faults, forkserver
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.store import golden_cache, snapshot
+from launcher.store.golden_cache import tensor_sha256
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
 from launcher.verify.build import build_comparator
+from launcher.verify.integrity import golden_nonfinite, integrity_checks
 
 log = logging.getLogger("launcher.run.worker")
 
 
 class ImplContractError(RuntimeError):
     """The implementation under test returned something that breaks the layer's contract."""
+
+
+class GoldenNotFinite(RuntimeError):
+    """The reference holds non-finite values where it must be finite: it cannot judge the run
+    (a config whose math breaks down, or a damaged snapshot), so the run is an error, not a FAIL."""
 
 
 def progress_path(output_dir: str, rank: int) -> str:
@@ -126,6 +133,43 @@ def check_outputs(outputs, expected_specs: dict, rank: int) -> None:
             )
 
 
+def check_inputs_unchanged(tensors: dict[str, torch.Tensor], digests: dict[str, str], rank: int) -> None:
+    """Refuse an implementation that changed a pure input in place (only in-outs may change):
+    `digests` are the inputs' sha256 taken when the fixture was built."""
+    changed = [n for n, digest in digests.items() if tensor_sha256(tensors[n]) != digest]
+    if changed:
+        raise ImplContractError(f"rank {rank}: impl changed its pure input(s) {', '.join(changed)} in place "
+                                "(the contract lets only the in-out caches and states change)")
+
+
+def check_reference_finite(spec: RunSpec, case, layer, source: str, reference: dict, mappings: dict,
+                           rank: int, cached: bool = False) -> None:
+    """Refuse a reference that is non-finite where it must be finite (`golden_nonfinite`):
+    every comparison against it would blame the implementation for the reference's NaN.
+    `cached`: the golden came from the golden cache, not computed in this run."""
+    for check in layer.checks(case):
+        n = golden_nonfinite(check, reference[check.output], mappings.get(getattr(check, "mapping", None)))
+        if not n:
+            continue
+        if source == "snapshot":
+            origin = f"the snapshot's {spec.golden_data}/out/{check.output}.pt"
+        else:
+            origin = f"the golden {'read from the golden cache' if cached else 'computed'} for {config_text(case)}"
+        raise GoldenNotFinite(f"rank {rank}: {origin} holds {n} non-finite value(s) in {check.output} where it must "
+                              "be finite: a reference error, not the implementation's")
+
+
+def config_text(case) -> str:
+    """The case as a reader would check it, with the model fields changed from the preset."""
+    changed = case.model.overrides()
+    if changed is None:
+        model = f"model={case.model.name} (no preset: {case.model.fields()})"
+    else:
+        model = f"model={case.model.name}" + "".join(f" model.{k}={v}" for k, v in changed.items())
+    d = case.describe()
+    return " ".join([f"layer={d.pop('layer')}", model] + [f"{k}={v}" for k, v in d.items()])
+
+
 def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int, device) -> dict[str, torch.Tensor]:
     """Every rank's tensor of each name, stacked `[tp, ...]` on rank 0 (CPU), bit-exact."""
     gathered = {}
@@ -184,33 +228,36 @@ def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -
     if hit is not None:
         return hit, "hit"
     outputs = golden_outputs(layer, case, inputs, full_o_weights())
-    problem = golden_cache.store(spec.golden_cache, ident, outputs)
+    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
     if problem:
         log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
     return outputs, f"not written: {problem}" if problem else None
 
 
-def compare(case, tolerances, layer, actual: dict, golden: dict, context: dict) -> list[dict]:
-    """Every check of the layer, in its validation order, on one group's stacked [size, ...]
-    tensors, with the run's tolerances (a diagnostic check is judged and reported, and never
-    fails the run)."""
+def compare(case, tolerances, layer, actual: dict, golden: dict, context: dict,
+            integrity_on: bool) -> tuple[list[dict], list[dict]]:
+    """`(verdicts, integrity checks)`: every check of the layer in its validation order, on one
+    group's stacked [size, ...] tensors, with the run's tolerances (a diagnostic check is judged
+    and reported, and never fails the run), and the integrity checks beside them (none when
+    `integrity_on` is False)."""
     inputs = dict(context)  # slot mappings and, under initial_key(name), the pre-step pools
     inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
-    verdicts = []
+    verdicts, integrity = [], []
     for default in layer.checks(case):
         check, overridden = tolerances.apply(default)
+        a, e = actual[check.output], golden[check.output]
         cmp = build_comparator(check, mapping_shape=(case.group_size, case.local_t), leading_rank_axis=True)
-        v = cmp.evaluate(
-            actual[check.output], golden[check.output], inputs=inputs, actual_outputs=actual, expected_outputs=golden
-        )
+        v = cmp.evaluate(a, e, inputs=inputs, actual_outputs=actual, expected_outputs=golden)
         verdict = {"tensor": check.output, **v.to_dict(), "diagnostic": check.output in tolerances.diagnostic,
                    "overridden": overridden}
-        if not v.passed:  # where the errors are: per rank x row block / head group / page
-            verdict["where"] = where.error_maps(
-                check.output, check, actual[check.output], golden[check.output], inputs, seq=case.seq
-            )
+        found = integrity_checks(check, a, e, inputs) if integrity_on else []
+        if not v.passed or not all(c.passed for c in found):
+            # where the errors are: per rank x row block / head group / page
+            verdict["where"] = where.error_maps(check.output, check, a, e, inputs, seq=case.seq)
+        verdict["tally"] = where.tally(verdict, check, a.shape)
         verdicts.append(verdict)
-    return verdicts
+        integrity += [c.to_dict() for c in found]
+    return verdicts, integrity
 
 
 def rank_main(spec: RunSpec):
@@ -304,6 +351,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
     mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
+    pure = layer.names_of(case, Kind.INPUT)
     with timer.stage("fixture"):
         wo_full = None
         if spec.golden_data:
@@ -312,6 +360,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             inputs, wo_full = layer.rank_inputs_and_full_o(case, grank)
         else:
             inputs = layer.rank_inputs(case, grank)
+        input_digests = {n: tensor_sha256(inputs[n]) for n in pure}
         impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
     # nothing the implementation does can reach it.
@@ -329,6 +378,9 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                     else:  # computed by the group together (the harness's collectives, never the impl's)
                         golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
                         references["golden"] = layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
+                for source, reference in references.items():
+                    check_reference_finite(spec, case, layer, source, reference, inputs, rank,
+                                           cached=source == "golden" and cache_status == "hit")
                 context = {n: inputs[n].clone() for n in mappings}
                 context.update({initial_key(n): inputs[n].clone() for n in inout})
         except Exception as e:  # raised once every rank has heard of it
@@ -349,10 +401,13 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         tensors = {n: t.to(device) for n, t in inputs.items()}
         # The benchmark restores the in-out tensors to their values before the step.
         pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
+        pure_tensors = {n: tensors[n] for n in pure}  # the implementation may rebind the dict's entries
         outputs = impl(ctx, tensors)
         # An output fault hits the layer's output (x_out, x_next), a focused scope's first in-out.
         faults.on_outputs(spec.fault, rank, outputs, (layer.names_of(case, Kind.OUTPUT) or compared)[0], case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
+        check_inputs_unchanged(pure_tensors, input_digests, rank)
+        del pure_tensors
     with timer.stage("gather"):
         if not spec.bench:
             del tensors  # what the outputs do not alias is freed before rank 0 stacks
@@ -379,19 +434,20 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     stats = [None] * world if rank == 0 else None
     dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
                        stats, dst=0)
-    comparisons = None  # by group: {reference: verdicts}
+    comparisons = integrity = None
     if rank == 0 and spec.golden:
         with timer.stage("compare"):
             actual_g, context_g = by_group(actual, layout), by_group(context, layout)
             expected_g = {src: by_group(e, layout) for src, e in expected.items()}
-            comparisons = [
-                {src: compare(spec.case.of_group(g), spec.tolerances, layer, actual_g[g], expected_g[src][g], context_g[g])
-                 for src in expected}
-                for g in range(layout.dp)
-            ]
+            comparisons, integrity = [], []  # by group: {reference: verdicts}, {reference: checks}
+            for g in range(layout.dp):
+                judged = {src: compare(spec.case.of_group(g), spec.tolerances, layer, actual_g[g], expected_g[src][g], context_g[g],
+                                       spec.integrity) for src in expected}
+                comparisons.append({src: vs for src, (vs, _) in judged.items()})
+                integrity.append({src: cs for src, (_, cs) in judged.items()} if spec.integrity else None)
     # Every rank learns the verdict (None: nothing was compared), so every node exits with rank
-    # 0's verdict code.
-    verdict = [_passed(comparisons) if comparisons is not None else None]
+    # 0's verdict code: the reference verdicts and the integrity checks beside them.
+    verdict = [_passed(comparisons, integrity) if comparisons is not None else None]
     dist.broadcast_object_list(verdict, src=0)
     located = None
     if spec.bisect and not verdict[0]:
@@ -412,6 +468,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         "passed": verdict[0],
         "groups": [{"group": g, "ranks": layout.ranks_of(g), "seed": spec.case.of_group(g).seed,
                     "comparisons": comparisons[g] if comparisons is not None else None,
+                    "integrity": integrity[g] if integrity is not None else None,
                     "bisect": located[g] if located is not None else None} for g in range(layout.dp)],
         "bench": bench_figures,
         "rank_seconds": [s["seconds"] for s in stats],
@@ -421,9 +478,11 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     }
 
 
-def _passed(comparisons: list[dict]) -> bool:
-    """No check fails the run (a diagnostic one never does)."""
-    return not any(fails_the_run(v) for by_ref in comparisons for vs in by_ref.values() for v in vs)
+def _passed(comparisons: list[dict], integrity: list[dict | None]) -> bool:
+    """No reference check fails the run (a diagnostic one never does), no integrity check fails."""
+    checks = [c for by_ref in integrity if by_ref is not None for cs in by_ref.values() for c in cs]
+    return (not any(fails_the_run(v) for by_ref in comparisons for vs in by_ref.values() for v in vs)
+            and all(c["passed"] for c in checks))
 
 
 @functools.cache

@@ -12,6 +12,10 @@ beside it. Anything else (a load error, a missing or extra name, a wrong shape, 
 a hand-edited tensor) is a miss: the golden is recomputed and the entry overwritten. A cache
 that cannot be written never fails a run: `store` returns why, and the run goes on with the
 golden it computed.
+
+The cache is bounded: `store` evicts the least recently used entries (an entry is used when
+written or read: both set its mtime) until the folder's entries fit the size cap. Deleting the
+folder, or any entry of it, at any time is safe: a missing entry is a miss.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
+import time
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -77,6 +83,42 @@ def exists(root: str, ident: dict) -> bool:
     return _entry(root, ident).is_file()
 
 
+def _mark_used(path: Path) -> None:
+    """Stamp `path` as just used (its mtime: atime is off or lazy on many mounts). Nanoseconds
+    from the clock, not the file system's coarse write time, so the order of uses is kept."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
+
+
+def entries(root: str) -> list[tuple[Path, int]]:
+    """The folder's entries, least recently used first, with their sizes (temp files of
+    writers in progress and anything not a regular file are not entries; one that vanishes
+    while listed is skipped)."""
+    found = []
+    for path in Path(root).glob("*.pt"):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            if stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime_ns, path.name, path, st.st_size))
+    return [(path, size) for _, _, path, size in sorted(found)]
+
+
+def evict(root: str, max_bytes: int) -> list[Path]:
+    """Delete the least recently used entries until the rest fit in `max_bytes`; the deleted
+    paths. Another process may be evicting too: an entry already gone is not an error."""
+    listed = entries(root)
+    total = sum(size for _, size in listed)
+    removed = []
+    for path, size in listed:
+        if total <= max_bytes:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+        total -= size
+    return removed
+
+
 def _whole(entry, ident: dict, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor] | None:
     """The entry's outputs if every check holds, else None."""
     if not isinstance(entry, dict) or entry.get("format") != FORMAT:
@@ -106,11 +148,16 @@ def load(root: str, ident: dict, specs: Mapping[str, TensorSpec]) -> dict[str, t
         entry = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # unreadable: a miss, replaced by `store`
         return None
-    return _whole(entry, ident, specs)
+    outputs = _whole(entry, ident, specs)
+    if outputs is not None:
+        with contextlib.suppress(OSError):  # a read-only cache still serves its entries
+            _mark_used(path)
+    return outputs
 
 
-def store(root: str, ident: dict, outputs: Mapping[str, torch.Tensor]) -> str | None:
-    """Write (or overwrite) the entry; None when written, else why it could not be."""
+def store(root: str, ident: dict, outputs: Mapping[str, torch.Tensor], max_bytes: int | None = None) -> str | None:
+    """Write (or overwrite) the entry, then evict down to `max_bytes` (None: no cap); None when
+    written and kept, else why not (an entry larger than the cap is evicted at once)."""
     path = _entry(root, ident)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     entry = {
@@ -123,6 +170,10 @@ def store(root: str, ident: dict, outputs: Mapping[str, torch.Tensor]) -> str | 
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(entry, tmp)
         os.replace(tmp, path)
+        _mark_used(path)
+        size = path.stat().st_size
+        if max_bytes is not None and path in evict(root, max_bytes):
+            return f"evicted at once to keep the cap: the entry is {size} bytes, the cap {max_bytes} bytes"
     except OSError as e:
         with contextlib.suppress(OSError):  # no temp file may stay behind
             tmp.unlink()

@@ -15,7 +15,10 @@ Modules, one comparator family each:
   exact         exact, AllClose, and the scopes' SentinelExact / PrefixAndTail (§12.5)
   build         build_comparator (a layer's check -> its comparator), compare_outputs,
                 validate_golden
-  where         per-rank grids of where a failing output's bad points are (no drawing)
+  where         per-rank grids of where a failing output's bad points are (no drawing), and
+                the figures a verdict's summary row shows (`tally`)
+  integrity     the integrity checks beside the reference comparators (written rows, finite,
+                a cap per tensor kind): what a pooled budget must never hide
   bisect        the first stage and rank where a failing full layer diverges
 The comparators are re-exported here: `from launcher.verify import ratio_allclose`.
 

@@ -35,7 +35,7 @@ _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _unchanged_rows(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def unchanged_rows(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Rows of `[n, W]` tensors holding the same bits (a NaN left in place is unchanged).
 
     Bitwise, as "did this side write the row" is about storage; viewed as int64 words where
@@ -161,7 +161,7 @@ class MappedPoolRatioAllclose(Comparator):
         unwritten = None
         if init_rows is not None and len(written_keys):
             i_g = init_rows[written_keys]
-            unwritten = _unchanged_rows(a_g, i_g) & ~_unchanged_rows(e_g, i_g)
+            unwritten = unchanged_rows(a_g, i_g) & ~unchanged_rows(e_g, i_g)
             figures["unwritten_rows"] = int(unwritten.sum())
 
         if len(written_keys):
@@ -222,7 +222,7 @@ class MappedPoolRatioAllclose(Comparator):
         side = None
         if init_rows is not None:
             i_s = init_rows[stray_keys]
-            side = (~_unchanged_rows(a_s, i_s)).long() + 2 * (~_unchanged_rows(e_s, i_s)).long()
+            side = (~unchanged_rows(a_s, i_s)).long() + 2 * (~unchanged_rows(e_s, i_s)).long()
             by = torch.bincount(rank_of * 4 + side, minlength=4 * n_ranks).view(n_ranks, 4).tolist()
             out["sides"] = [dict(zip(_SIDES, b)) for b in by]
             figures["stray_by_side"] = dict(zip(_SIDES, torch.bincount(side, minlength=4).tolist()))

@@ -12,6 +12,8 @@ holds them after the gather) to small JSON-ready grids, one row per rank:
 A point is bad by the gate's own rule (validation.md §8.2, §10.2), non-finite on either side
 counting as bad; the grids say where, the comparator's verdict says whether it passes. Each
 cell holds the bad count, the cell's element count and its max |diff| over finite points.
+`tally` sums them into the figures a verdict's summary row shows, so that a row counts what
+its detail counts.
 
 Pure tensor code on CPU: no torch.distributed, no layer code beyond the check dataclasses, and
 no drawing (the ranks compute the grids; only the launcher process draws them).
@@ -19,6 +21,7 @@ no drawing (the ranks compute the grids; only the launcher process draws them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -132,3 +135,38 @@ def error_maps(name: str, check: Check, actual: torch.Tensor, expected: torch.Te
     if isinstance(check, RelDiffCheck):
         return _reldiff_maps(name, check, a, e, row_block(seq))
     return []  # a focused scope's stage check: its verdict already lists the rows it saw
+
+
+def tally(verdict: Mapping[str, Any], check: Check, shape: Sequence[int]) -> dict[str, Any]:
+    """The figures a verdict's summary row shows (the console table, summary.json, JUnit), so
+    that the row says what the detail says.
+
+    For a layer check they count the whole tensor (`shape`, stacked `[P, ...]`) by the rule of
+    the `where` grids: `n_bad` every bad point (out of tolerance, non-finite on either side, a
+    changed value of a pool row the step did not map), `numel` every element (a pool's unmapped
+    rows are judged too, exactly), `max_abs_diff` over the points finite on both sides. A
+    passing verdict has no grids, and needs none: it has no non-finite point and no stray
+    write, so its comparator's figures count the same. `worst` is the comparator's (the worst
+    diff/tol or rdiff of a finite out-of-tolerance point), None where only non-finite points or
+    stray writes are bad. A focused scope's stage check keeps its comparator's figures.
+    """
+    figures, per_rank = verdict.get("figures", {}), verdict.get("per_rank", [])
+    if not isinstance(check, (PoolCheck, RelDiffCheck)):
+        rows = [{"rank": r["rank"], "n_bad": r["n_bad"], "numel": r["numel"], "max_abs_diff": r["max_abs_diff"]}
+                for r in per_rank]
+        return {"n_bad": figures.get("n_bad"), "numel": figures.get("numel"), "max_abs_diff": figures.get("max_abs_diff"),
+                "worst": figures.get("worst"), "per_rank": rows}
+    grids = verdict.get("where")
+    if grids:
+        g = grids[0]
+        rows = [{"rank": r, "n_bad": sum(g["bad"][r]), "numel": sum(g["numel"][r]), "max_abs_diff": max(g["max_abs_diff"][r])}
+                for r in range(len(g["bad"]))]
+    else:
+        rank_numel = math.prod(shape[1:])
+        rows = [{"rank": r["rank"], "n_bad": r["n_bad"], "numel": rank_numel, "max_abs_diff": r["max_abs_diff"]}
+                for r in per_rank]
+    n_bad = sum(r["n_bad"] for r in rows)
+    diffs = [r["max_abs_diff"] for r in rows if r["max_abs_diff"] is not None]
+    worst = figures.get("worst") if figures.get("n_bad") or not n_bad else None
+    return {"n_bad": n_bad, "numel": math.prod(shape), "max_abs_diff": max(diffs, default=None), "worst": worst,
+            "per_rank": rows}

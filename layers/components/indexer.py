@@ -119,9 +119,10 @@ def scores(
         r = rows[b0 : b0 + chunk]
         dots = int8_matmul(qb[b0 : b0 + chunk], k_flat[r].transpose(1, 2))  # [b, S·IH, U], exact
         tok = slice(b0 * seq, (b0 + r.shape[0]) * seq)
-        sc = torch.relu(dots.reshape(-1, seq, ih, n_slots) * f32(q_scale[tok]).reshape(-1, seq, ih, 1))
-        head_sum = (sc * f32(weights[tok]).reshape(-1, seq, ih, 1)).sum(dim=2)  # [b, S, U]
-        out[tok] = (head_sum * f32(s_flat[r])[:, None, :]).reshape(-1, n_slots)
+        # In place on the fresh product: the same values without three more [b, S, IH, U] tensors.
+        sc = dots.view(-1, seq, ih, n_slots).mul_(f32(q_scale[tok]).reshape(-1, seq, ih, 1)).relu_()
+        head_sum = sc.mul_(f32(weights[tok]).reshape(-1, seq, ih, 1)).sum(dim=2)  # [b, S, U]
+        out[tok] = head_sum.mul_(f32(s_flat[r])[:, None, :]).reshape(-1, n_slots)
     return out
 
 

@@ -40,22 +40,25 @@ def sharded_o_proj(
     # its golden einsum, as run for the snapshots, sums K that way. Measured at GI = 256
     # (swa/csa-tp2-64 both ranks, hca-tp2-64 rank 1): two 128-wide blocks reproduce x_out
     # bit for bit; one 256-wide GEMM flips int8 codes / amax ulps of a few tokens. wo_a is
-    # widened one K block at a time: the golden's full fp32 wo_a would be 128 MiB at flash.
+    # widened one K block at a time into one buffer: the golden's full fp32 wo_a would be 128 MiB
+    # at flash.
     y = None
+    w = torch.empty(lg, ol, min(gi, WO_A_K_BLOCK), dtype=torch.float32, device=x_local_groups.device)
     for k0 in range(0, gi, WO_A_K_BLOCK):
         k = slice(k0, k0 + WO_A_K_BLOCK)
-        part = torch.matmul(a[..., k], f32(wo_a_r[..., k]).transpose(1, 2))  # [LG, U, OL]
-        y = part if y is None else y + part
+        wk = w[..., : min(gi - k0, WO_A_K_BLOCK)].copy_(wo_a_r[..., k])
+        part = torch.matmul(a[..., k], wk.transpose(1, 2))  # [LG, U, OL]
+        y = part if y is None else y.add_(part)
     # Per (group, token) quantization over the OL lora outputs: never across groups, which
     # is what makes the projection shardable by group.
     q, scale_dq = int8_quant_per_row(y)  # [LG, U, OL] int8, [LG, U, 1]
     wb = wo_b_r.reshape(d, lg, ol).permute(1, 2, 0)  # [LG, OL, D]
     i_groups = int8_matmul(q, wb)  # exact int32 values, as fp32 [LG, U, D]
     acc = torch.zeros(u, d, dtype=torch.float32, device=x_local_groups.device)
-    # Ascending group order from 0.0: the golden's fp32 summation order.
+    # Ascending group order from 0.0: the golden's fp32 summation order (in place: same values).
     for g in range(lg):
-        acc = acc + i_groups[g] * scale_dq[g]
-    return acc * f32(wo_b_scale)[None, :]
+        acc.add_(i_groups[g].mul_(scale_dq[g]))
+    return acc.mul_(f32(wo_b_scale)[None, :])
 
 
 def grouped_o_proj(

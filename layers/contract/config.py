@@ -13,6 +13,7 @@ Importable without Hydra: the launcher registers these fields as its config sche
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -156,9 +157,30 @@ class ModelConfig:
             (self.decode_seq >= 1, "decode_seq must be >= 1"),
             (self.decode_batch >= 1, "decode_batch must be >= 1"),
         ]
-        for ok, rule in rules:
+        for ok, rule in rules + self._numeric_rules():
             if not ok:
                 raise ConfigError(f"model preset {self.name!r}: {rule}")
+
+    def _numeric_rules(self) -> list[tuple[bool, str]]:
+        """The float fields' ranges, where leaving them gives a NaN or a crash in the golden
+        (components.md §4-§8): the RMSNorm and Sinkhorn epsilons guard a division, a RoPE base
+        must make the frequencies decrease, YaRN takes logarithms of its base and of its betas
+        and divides by its factor."""
+        finite = [(math.isfinite(v), f"{f}={v} must be finite") for f, v in self.fields().items() if isinstance(v, float)]
+        return finite + [
+            (self.rms_norm_eps > 0, f"rms_norm_eps={self.rms_norm_eps} must be > 0 (rsqrt(mean x² + eps))"),
+            (self.hc_eps > 0, f"hc_eps={self.hc_eps} must be > 0 (the hc gates' and Sinkhorn's epsilon)"),
+            (self.hc_sinkhorn_iters >= 1, f"hc_sinkhorn_iters={self.hc_sinkhorn_iters} must be >= 1"),
+            (self.rope_theta > 1, f"rope_theta={self.rope_theta} must be > 1 (RoPE base: frequencies theta^(-2i/R))"),
+            (self.compress_rope_theta > 1, f"compress_rope_theta={self.compress_rope_theta} must be > 1 "
+                                           "(RoPE base of the compressed rows; YaRN divides by its log)"),
+            (self.rope_factor >= 1, f"rope_factor={self.rope_factor} must be >= 1 (YaRN's context-extension factor)"),
+            (0 < self.beta_slow <= self.beta_fast,
+             f"beta_slow={self.beta_slow}, beta_fast={self.beta_fast} must satisfy 0 < beta_slow <= beta_fast "
+             "(YaRN's correction range takes their logarithms)"),
+            (self.original_max_position_embeddings >= 0,
+             f"original_max_position_embeddings={self.original_max_position_embeddings} must be >= 0 (0 turns YaRN off)"),
+        ]
 
     def fields(self) -> dict:
         """Every field and its value (for manifests and reports)."""
@@ -166,6 +188,13 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    def overrides(self) -> dict | None:
+        """The fields whose value differs from the preset of this name (None: no such preset)."""
+        preset = PRESETS.get(self.name)
+        if preset is None:
+            return None
+        return {k: v for k, v in self.fields().items() if getattr(preset, k) != v}
 
 
 FLASH = ModelConfig(
