@@ -47,13 +47,14 @@ from launcher.run.preflight import preflight
 log = logging.getLogger("launcher")
 
 
-def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
+def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides: list[str] | None = None) -> int:
     """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
     that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
-    (`launcher.report.sweep.job_entry`), recorded in result.json."""
+    (`launcher.report.sweep.job_entry`), recorded in result.json; `overrides`: the run's
+    override strings (the keys the user gave explicitly)."""
     t0 = time.perf_counter()
     try:
-        return _execute(cfg, output_dir, t0, job)
+        return _execute(cfg, output_dir, t0, job, overrides)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
         result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
         write_result_and_page(output_dir, result, job)
@@ -61,13 +62,13 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None) -> int:
         return EXIT_ERROR
 
 
-def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> int:
+def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None) -> int:
     log.info("command line: %s", " ".join(sys.argv[1:]))
     if node_output_dir(output_dir, os.environ) != output_dir:
         # Node k > 0 of a Slurm job: only node 0's result (the compared one) is the sweep job's.
         output_dir, job = node_output_dir(output_dir, os.environ), None
     try:
-        spec = preflight(cfg, output_dir)
+        spec = preflight(cfg, output_dir, overrides)
     except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
         message = " ".join(str(e).split())
         log.info("refused: %s", message)
@@ -77,6 +78,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None) -> i
         return EXIT_ERROR
     # The ranks append to their progress files: a folder reused from an earlier run starts empty.
     shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
+    if spec.snapshot:
+        print(console.snapshot_line(spec.snapshot, spec.case_entry()), flush=True)
     c = spec.case
     size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
     label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
@@ -131,16 +134,17 @@ def _hydra_main(cfg: DictConfig) -> int:
     progress.composition_done()
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
+    overrides = list(hydra_cfg.overrides.task)
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        return execute(cfg, output_dir)
+        return execute(cfg, output_dir, overrides=overrides)
     num = int(hydra_cfg.job.num)
-    job = sweep.job_entry(hydra_cfg.sweep.dir, num, list(hydra_cfg.overrides.task))
+    job = sweep.job_entry(hydra_cfg.sweep.dir, num, overrides)
     if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
         # Not counted in the exit status: the job that did not pass already decides it.
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
         write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
         return EXIT_ERROR
-    return execute(cfg, output_dir, job)
+    return execute(cfg, output_dir, job, overrides)
 
 
 def one_line(hydra_message: str) -> str:

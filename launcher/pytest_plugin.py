@@ -75,7 +75,7 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
         cfg = compose(config_name="config", overrides=args)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = execute(cfg, output_dir)
+        code = execute(cfg, output_dir, overrides=args)
     path = os.path.join(output_dir, "result.json")
     result = json.load(open(path)) if os.path.exists(path) else None
     output = (out.getvalue() + err.getvalue()).strip()

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
         os.environ.update(rank_env(step, keys["master_addr"], keys["master_port"]))
     output_dir = output_dir_of()
     try:
-        spec = preflight(cfg, output_dir)
+        spec = preflight(cfg, output_dir, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", str(e), wall_s=time.perf_counter() - t0,

@@ -252,6 +252,10 @@ class CSALayer(AttentionLayer):
             RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1),
         )
 
+    def start_positions(self, case: Case) -> list[list[int]]:
+        starts, b = csa_fixture.global_starts(case), case.batch
+        return [starts[rank * b : (rank + 1) * b] for rank in range(case.tp)]
+
     def validate(self, case: Case) -> None:
         m = case.model
         if case.capacity < MIN_CAPACITY:

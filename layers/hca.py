@@ -159,6 +159,9 @@ class HCALayer(AttentionLayer):
             RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1.0),
         )
 
+    def start_positions(self, case: Case) -> list[list[int]]:
+        return fixture.all_rank_starts(case)
+
     def validate(self, case: Case) -> None:
         m = case.model
         if m.decode_seq > RATIO:

@@ -55,7 +55,10 @@ def validated(case: Case) -> Layer:
     """The layer (or scope) of `case` once the case passed every check: the TP-level rules all
     layers share (`Case.validate`), then the layer's own. The one validation of a case."""
     layer = get_scope(case.layer, case.scope)
-    case.validate()
+    if isinstance(case, Case):
+        case.validate(layer.whole_requests)
+    else:  # the MoE case: its EP rules
+        case.validate()
     layer.validate(case)
     return layer
 

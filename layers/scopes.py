@@ -22,7 +22,8 @@ focused scopes to find where a TP mismatch of the full layer comes from:
     the full O weights, no collectives.
 
 The poison and sentinel rows exist only below capacity (local_t < LOCAL_T, or LOCAL_T not a
-multiple of 16); the reference's default for the collectives is LOCAL_T − 1.
+multiple of 16). `output` and `collectives` take any local_t in [1, LOCAL_T]: their tokens are
+buffer rows, not requests; the default (the reference's, for both) is LOCAL_T − 1.
 
 Outputs that must keep their sentinel / zero tail are in-out tensors: their initial value is
 part of the fixture (and of a snapshot's in/). A scope whose golden uses the rank's own weights
@@ -171,6 +172,7 @@ class OutputScope(_Scope, StagedLayer):
 
     scope = "output"
     sharded_o_weights = True
+    whole_requests = False
 
     def validate(self, case: Case) -> None:
         m = case.model
@@ -315,6 +317,7 @@ class CollectivesScope(_Scope, Layer):
 
     scope = "collectives"
     sharded_o_weights = False
+    whole_requests = False
 
     def validate(self, case: Case) -> None:
         """Every case that passes `Case.validate` runs."""
@@ -419,6 +422,9 @@ class TP1Scope(_Scope, StagedLayer):
 
     def full_o_weights(self, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layer.full_o_weights(case)
+
+    def start_positions(self, case: Case) -> list[list[int]]:
+        return self.layer.start_positions(case)
 
     def stages(self, model: ModelConfig) -> tuple[Stage, ...]:
         return self.layer.stages(model)

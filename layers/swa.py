@@ -81,6 +81,9 @@ class SWALayer(AttentionLayer):
             RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1),
         )  # fmt: skip
 
+    def start_positions(self, case: Case) -> list[list[int]]:
+        return [fixture.rank_starts(case, rank) for rank in range(case.tp)]
+
     def validate(self, case: Case) -> None:
         m = case.model
         for rank in range(case.tp):

@@ -17,6 +17,9 @@ from unittest import mock
 import pytest
 import torch
 
+from hydra import compose, initialize_config_module
+
+from launcher.config.spec import validated_spec
 from launcher.store import snapshot
 from launcher.verify import build_comparator
 from layers import scopes
@@ -303,6 +306,36 @@ def test_output_defects_fail(impl, tensor, kind):
     v = verdicts[tensor]
     assert not v["passed"] and v["kind"] == kind, v
     assert all(verdicts[n]["passed"] for n in verdicts if n != tensor)
+
+
+# -- any local_t for the buffer-row scopes (the reference's default: capacity - 1) -------------
+@pytest.mark.parametrize("scope, defect, tensor", [("output", _writes_o_local_tail, "o_local"),
+                                                    ("collectives", _writes_padding_row, "o_local")])
+def test_capacity_minus_one_passes_and_catches_a_defect(scope, defect, tensor):
+    case = Case("swa", TINY, 2, TINY.decode_tokens // 2 - 1, 5)  # 63: neither a multiple of 8 nor of 16
+    verdicts = run_scope(case, scope)
+    assert _passed(verdicts), verdicts
+    if scope == "collectives":
+        assert all(v["figures"]["padding_rows"] > 0 and v["figures"]["poison_values"] == 0 for v in verdicts.values())
+    else:
+        assert verdicts["o_local"]["figures"]["tail_rows"] == case.local_t_pad - case.local_t == 1
+    failing = run_scope(case, scope, defect)[tensor]
+    assert not failing["passed"] and failing["kind"] in ("tail", "mismatch"), failing
+
+
+@pytest.mark.parametrize("scope", ["output", "collectives"])
+def test_buffer_row_scopes_take_any_local_t_and_default_to_capacity_minus_one(scope):
+    cap = TINY.decode_tokens // 2
+    for t in (1, 5, cap - 1, cap):
+        validated(Case("swa", TINY, 2, t, 0, scope=scope))
+    for t in (0, cap + 1):
+        with pytest.raises(ConfigError, match=rf"local_t={t} must be in \[1, {cap}\]"):
+            validated(Case("swa", TINY, 2, t, 0, scope=scope))
+    with initialize_config_module(config_module="configs", version_base=None):
+        cfg = compose(config_name="config", overrides=[f"scope={scope}", "model=tiny", "tp=2"])
+    assert validated_spec(cfg, "/x").case.local_t == cap - 1
+    with pytest.raises(ConfigError, match="must be a multiple of 8"):  # the layers still take whole requests
+        validated(Case("swa", TINY, 2, cap - 1, 0, scope="tp1"))
 
 
 # -- snapshots of every scope -----------------------------------------------------------------

@@ -10,7 +10,7 @@ second token count the reference runs (validation.md §5.3), the capacity itself
 drawn in turn from `mixed_pattern` so that every rank's requests start differently (swa.md P11).
 
 `row_block` is the launcher's one statement of the row-block rule (whole requests, whole
-8-row token tiles); the default local_t of the padding-guard scopes uses it too.
+8-row token tiles); the where-grids of a failing x_out use it too.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
 from layers.contract.config import PRESETS, ModelConfig
 
@@ -75,6 +75,7 @@ class RunSchema:
     report: ReportSchema = field(default_factory=ReportSchema)
     golden_data: Optional[str] = None
     save_data: Optional[str] = None
+    save_overwrite: bool = False
     recompute_golden: bool = False
     golden_cache: Optional[str] = None
     golden_cache_max_gb: Optional[float] = 4.0  # the cache's size cap (LRU eviction); None = no cap
@@ -90,6 +91,9 @@ class RunSchema:
     bench: BenchSchema = field(default_factory=BenchSchema)
     profile: bool = False  # torch.profiler traces of the benchmark rounds, one per rank
     integrity: bool = True  # integrity checks beside the reference comparators (launcher.verify.integrity)
+    # Open to any key (`tolerance.x_out.diff_thd=4e-3` needs no `+`); launcher.config.tolerance
+    # checks the names against the layers' checks instead.
+    tolerance: Any = field(default_factory=lambda: DictConfig({}, flags={"struct": False}))
 
 
 def register() -> None:

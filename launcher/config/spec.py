@@ -1,35 +1,40 @@
 """The one reader of the run config: a composed Hydra config -> a validated, frozen `RunSpec`.
 
 `run_spec` reads every key once and checks each value (naming the key, the value and the
-rule) into a RunSpec and its `Case`; `validated_spec` adds the local_t a replayed snapshot
-fixes and validates the case once: its TP rules (`Case.validate`), then its layer's
-(`Layer.validate`). What only the machine can tell (devices, ports, the snapshot's files, an
-importable implementation) is checked next by `launcher.run.preflight`. `config_case` is the same config's case for a run refused before a
-RunSpec exists, each key read on its own.
+rule) into a RunSpec and its `Case` (or `MoECase`); `validated_spec` takes the case a replayed
+snapshot fixes (`launcher.config.replay`), validates the case once (its TP or EP rules, then
+its layer's) and reads the run's tolerances (`launcher.config.tolerance`). What only the
+machine can tell (devices, ports, the snapshot's files, an importable implementation) is
+checked next by `launcher.run.preflight`. `config_case` is the same config's case for a run
+refused before a RunSpec exists, each key read on its own.
 
 RunSpec is plain dataclasses, picklable, no OmegaConf: it is what every rank receives.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from layers.contract.case import TOKEN_TILE, Case, MoECase
+from layers.contract.case import Case, MoECase
 from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
 from layers.contract.layer import Layer
 from layers.registry import get_scope, validated
 
 from launcher.config.faults import Fault
 from launcher.config.faults import check_unset as check_fault_unset
-from launcher.config.resolvers import row_block, tp_of
+from launcher.config.overrides import override_keys
+from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer
+from launcher.config.resolvers import tp_of
 from launcher.config.slurm import node_keys, slurm_step
+from launcher.config.tolerance import Tolerances, read_tolerances
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -69,6 +74,9 @@ class RunSpec:
     output_dir: str
     golden_data: Optional[str] = None  # replay: inputs and reference outputs from this snapshot
     save_data: Optional[str] = None  # write this run's inputs and golden outputs as a snapshot
+    save_overwrite: bool = False  # save_data may replace the snapshot a folder holds
+    snapshot: Optional[dict] = None  # replay: the case keys read from golden_data, with their files
+    tolerances: Tolerances = Tolerances()  # what the tolerance config sets for this case's checks
     recompute_golden: bool = False  # with golden_data: also compare against a recomputed golden
     golden_cache: Optional[str] = None  # folder of cached goldens; None disables the cache
     golden_cache_max_bytes: Optional[int] = None  # the cache's size cap (LRU eviction); None = no cap
@@ -190,6 +198,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         output_dir=output_dir,
         golden_data=_path(cfg.golden_data),
         save_data=_path(cfg.save_data),
+        save_overwrite=bool(cfg.save_overwrite),
         recompute_golden=bool(cfg.recompute_golden),
         golden_cache=_path(cfg.golden_cache),
         golden_cache_max_bytes=_cache_cap(cfg.golden_cache_max_gb),
@@ -221,7 +230,7 @@ def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str)
     tp = tp_of(cfg)
     if tp < 1:
         raise ConfigError(f"tp={tp} must be >= 1")
-    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(model, tp, scope)
+    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(layer, scope, model, tp)
     return Case(layer=layer, model=model, tp=tp, local_t=int(local_t), seed=int(cfg.seed),
                 start_pos=_start_pos(cfg.start_pos), scope=scope)
 
@@ -248,22 +257,37 @@ def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
                    balanced_routing=bool(cfg.balanced_routing), scope=scope)
 
 
-def validated_spec(cfg: DictConfig, output_dir: str, *,
-                   snapshot_local_t: Callable[[str, int | None], int | None]) -> RunSpec:
-    """The one reader's whole answer: `run_spec`, the local_t a replayed snapshot fixes, and the
-    case validated once (its TP rules, then its layer's).
+def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,
+                   describe_snapshot: Callable[[str], SnapshotFacts] | None = None) -> RunSpec:
+    """The one reader's whole answer: `run_spec`, the case a replayed snapshot fixes, and the
+    case validated once (its TP or EP rules, then its layer's).
 
-    `snapshot_local_t(golden_data, requested local_t)` is the local_t the snapshot fixes, or None
-    where it holds none (`launcher.store.snapshot.fixed_local_t`, which refuses a different
-    requested one): the config floor opens no snapshot itself.
+    `overrides`: the run's override strings, which say what the user gave explicitly (None:
+    every key as composed) and whose tolerance entries win over a profile's.
+    `describe_snapshot(golden_data)` reads what a snapshot says of its case
+    (`launcher.store.snapshot_case.describe`): the config floor opens no snapshot itself. The
+    snapshot's layer is read first, since it decides which keys the case takes.
     """
+    given = given_keys(cfg, overrides)
+    facts = None
+    # A replay is of one group: with dp != 1, run_spec refuses it before any file is read.
+    if cfg.golden_data and describe_snapshot is not None and int(cfg.dp) == 1:
+        facts = describe_snapshot(_path(cfg.golden_data))
+        # The snapshot's layer decides which keys the case takes (tp or ep): read it first.
+        layer = replayed_layer(str(cfg.layer.name), facts, given)
+        if layer != cfg.layer.name:
+            cfg = copy.deepcopy(cfg)
+            with open_dict(cfg):
+                cfg.layer.name = layer
     spec = run_spec(cfg, output_dir)
-    if spec.golden_data and isinstance(spec.case, Case):
-        fixed = snapshot_local_t(spec.golden_data, cfg.local_t)
-        if fixed is not None:
-            spec = dataclasses.replace(spec, case=dataclasses.replace(spec.case, local_t=fixed))
+    if facts is not None:
+        case, read = replayed_case(spec.case, facts, given, _default_local_t)
+        spec = dataclasses.replace(spec, case=case, snapshot=facts_entry(facts, read), **_nodes(cfg, case, spec.dp))
+        if spec.fault is not None:  # its rank against the snapshot's group, not the config's
+            spec.fault.check(spec.world, _absent_stages(cfg, spec.golden, spec.bench))
     validated(spec.case)  # the one validation of a case: its TP rules, then its layer's
-    return spec
+    explicit = override_keys(overrides) if overrides is not None else frozenset()
+    return dataclasses.replace(spec, tolerances=read_tolerances(cfg.get("tolerance"), spec.case, explicit))
 
 
 def _performance(cfg: DictConfig) -> tuple[bool, Optional[BenchSpec]]:
@@ -323,13 +347,12 @@ def _nodes(cfg: DictConfig, case, dp: int) -> dict:
             "master_port": int(port), "nproc_per_node": nproc}
 
 
-def _default_local_t(model: ModelConfig, tp: int, scope: str) -> int:
-    """The rank capacity; the padding-guard scopes run one row block below it, so that the
-    poisoned and sentinel rows they check exist."""
+def _default_local_t(layer: str, scope: str, model: ModelConfig, tp: int) -> int:
+    """The rank capacity; the padding-guard scopes run one row below it (the reference's
+    default), so that the poisoned and sentinel rows they check exist."""
     capacity = model.decode_tokens // tp
-    block = row_block(model.decode_seq)
-    if scope in ("output", "collectives") and capacity - block >= TOKEN_TILE:
-        return capacity - block
+    if not get_scope(layer, scope).whole_requests and capacity > 1:
+        return capacity - 1
     return capacity
 
 

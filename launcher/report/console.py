@@ -13,6 +13,7 @@ share.
 from __future__ import annotations
 
 from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.tolerance import fails_the_run
 from launcher.report.result import integrity_failures, verdict, verdict_pair
 from launcher.verify.bisect import render as render_bisect
 from launcher.verify.integrity import CHECKS
@@ -60,6 +61,18 @@ def group_text(c: dict) -> str:
     return f"ep={c['ep']}" if "ep" in c else f"tp={c.get('tp')}"
 
 
+def snapshot_line(snapshot: dict, case: dict) -> str:
+    """The case a replay read from its snapshot, and which keys it read there."""
+    read = snapshot["read"]
+    shown = " ".join(f"{k}={v}" for k, v in case_items(case) if k not in ("backend", "impl"))
+    model = snapshot.get("model") or {}
+    dims = ""
+    if model.get("name") == "snapshot":  # no preset has its dims: the dims it fixes
+        dims = " (" + ", ".join(f"{n}={f['value']}" for n, f in model["fields"].items()) + ")"
+    return (f"snapshot {snapshot['directory']}: {shown}{dims}; read from the snapshot: "
+            f"{', '.join(read) if read else 'nothing'}")
+
+
 def case_line(c: dict) -> str:
     """The case as `key=value` pairs (case_items)."""
     return "dsv4-tp-harness  " + " ".join(f"{k}={v}" for k, v in case_items(c))
@@ -79,6 +92,8 @@ def case_columns(rows: list[dict]) -> list[str]:
 
 def render(result: dict) -> str:
     lines = [case_line(result["case"])]
+    if result.get("snapshot"):
+        lines.append(snapshot_line(result["snapshot"], result["case"]))
     if result["status"] in ("config-error", "skipped"):  # no rank ran
         word = "error" if result["status"] == "config-error" else "SKIPPED"
         lines.append(f"{word}: {result['error']['message']}")
@@ -119,6 +134,9 @@ def render(result: dict) -> str:
                      f"was compared) ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     lines.append(reference_line(result))
+    tolerance = tolerance_line(result.get("tolerance"))
+    if tolerance:
+        lines.append(tolerance)
     if "groups" in result:  # several TP groups: each group's verdicts, its ranks named globally
         for g in result["groups"]:
             lines.append(f"group {g['group']} (global ranks {g['ranks'][0]}-{g['ranks'][-1]}, seed {g['seed']}): "
@@ -134,12 +152,43 @@ def render(result: dict) -> str:
     lines.append(verdict_pair(result))
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
-    failed = sorted({v["tensor"] for v in result["verdicts"] + result.get("recomputed_verdicts", []) if not v["passed"]}
-                    | {c["tensor"] for c in integrity_failures(result)})
+    verdicts = result["verdicts"] + result.get("recomputed_verdicts", [])
+    failed = sorted({v["tensor"] for v in verdicts if fails_the_run(v)} | {c["tensor"] for c in integrity_failures(result)})
+    diagnostic = sorted({v["tensor"] for v in verdicts if v.get("diagnostic") and not v["passed"]})
+    shown = f" (diagnostic, not counted: {', '.join(diagnostic)} FAIL)" if diagnostic else ""
     groups = [g["group"] for g in result.get("groups", []) if not g["passed"]]
     where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}" if groups else ""
-    lines.append(f"VERDICT: {verdict(result)}" + (f" {failed}{where}" if failed else "") + f" ({result['wall_s']:.1f}s)")
+    lines.append(f"VERDICT: {verdict(result)}" + (f" {failed}{where}" if failed else "") + shown
+                 + f" ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
+
+
+def tolerance_line(tolerance: dict | None) -> str | None:
+    """What the tolerance config changed, or None when it changed nothing."""
+    if not tolerance:
+        return None
+    parts = []
+    if tolerance["profile"] not in (None, "default"):
+        parts.append(f"profile {tolerance['profile']}")
+    for tensor, changed in tolerance["overridden"].items():
+        parts.append(f"{tensor} " + ", ".join(f"{p}={c['value']} (default {c['default']})" for p, c in changed.items()))
+    if tolerance["diagnostic"]:
+        parts.append(f"diagnostic (never fail the run): {', '.join(tolerance['diagnostic'])}")
+    if tolerance["not_applied"]:
+        parts.append(f"not compared here, not applied: {', '.join(tolerance['not_applied'])}")
+    return "tolerance: " + "; ".join(parts) if parts else None
+
+
+def comparator_text(verdict: dict) -> str:
+    """A verdict's effective comparator, its parameters that the tolerance config set marked."""
+    changed = verdict.get("overridden") or {}
+    marks = ", ".join(f"{p} {c['default']}->{c['value']}" for p, c in changed.items())
+    return verdict["label"] + (f" [set: {marks}]" if marks else "")
+
+
+def _verdict_word(verdict: dict) -> str:
+    word = "PASS" if verdict["passed"] else "FAIL"
+    return f"{word} (diagnostic)" if verdict.get("diagnostic") else word
 
 
 def _ms(seconds: float) -> str:
@@ -179,7 +228,8 @@ def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) 
     rows = [["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"]]
     for v in verdicts:
         t = v["tally"]
-        rows.append([v["tensor"], "all", "PASS" if v["passed"] else "FAIL", _bad(t), fmt(t["max_abs_diff"]), fmt(t["worst"]), v["label"]])
+        rows.append([v["tensor"], "all", _verdict_word(v), _bad(t), fmt(t["max_abs_diff"]), fmt(t["worst"]),
+                     comparator_text(v)])
         worst = {pr["rank"]: pr.get("worst") for pr in v.get("per_rank", [])}
         for pr in t["per_rank"]:
             rank = str(pr["rank"]) if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
@@ -187,7 +237,8 @@ def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) 
     lines = table_lines(rows)
     for v in verdicts:
         if not v["passed"]:
-            lines.append(f"{v['tensor']} FAIL ({v['label']})")
+            diagnostic = ", diagnostic: never fails the run" if v.get("diagnostic") else ""
+            lines.append(f"{v['tensor']} FAIL{diagnostic} ({comparator_text(v)})")
             lines += v["detail"].splitlines()
             lines += where_lines(v)
     return lines

@@ -35,6 +35,7 @@ import traceback
 import torch
 
 from launcher.config.spec import RunSpec
+from launcher.config.tolerance import fails_the_run
 from launcher.run import devices
 from launcher.store import snapshot
 
@@ -110,6 +111,9 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
         "wall_s": round(wall_s, 3),
         "log_dir": log_dir,
     }
+    if spec.snapshot:
+        result["snapshot"] = spec.snapshot
+    result["tolerance"] = spec.tolerances.entry(spec.layer.checks(spec.case))
     if error is not None:
         result.update(status="error", passed=False, error=error)
         return result
@@ -157,7 +161,7 @@ def _group_entry(group: dict) -> dict:
     primary = "snapshot" if "snapshot" in comparisons else "golden"
     verdicts = comparisons[primary]
     integrity = _integrity_entry(group["integrity"], primary)
-    reference_passed = all(v["passed"] for vs in comparisons.values() for v in vs)
+    reference_passed = not any(fails_the_run(v) for vs in comparisons.values() for v in vs)
     entry.update(reference=primary, verdicts=verdicts, reference_passed=reference_passed, integrity=integrity,
                  passed=reference_passed and integrity["passed"] is not False)
     if primary == "snapshot" and "golden" in comparisons:

@@ -20,8 +20,11 @@ import re
 import sys
 
 from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.tolerance import fails_the_run
 from launcher.report import plots
-from launcher.report.console import case_items, fmt, group_text, reference_line, starts_text, where_lines
+from launcher.report.console import (
+    case_items, comparator_text, fmt, group_text, reference_line, starts_text, where_lines,
+)
 from launcher.report.page import (
     Raw,
     badge,
@@ -114,10 +117,13 @@ def _header(result: dict, word: str, output_dir: str | None) -> Raw:
             sweep = f" · {link('../report.html', 'the sweep')}"  # the job folder sits in the sweep folder
         parts.append(f'<div class="case">sweep job {esc(job.get("num"))}: <code>{esc(overrides)}</code>{sweep}</div>')
     if result.get("status") == "ok" and result.get("verdicts"):
-        failed = sorted({v["tensor"] for v in _all_verdicts(result) if not v["passed"]})
+        failed = sorted({v["tensor"] for v in _all_verdicts(result) if fails_the_run(v)})
         groups = [str(g["group"]) for g in result.get("groups", []) if not g["passed"]]
         where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(groups)}" if groups else ""
         what = f"failed: {', '.join(failed)}{where}" if failed else f"{len(_all_verdicts(result))} tensors compared, all passed"
+        diagnostic = sorted({v["tensor"] for v in _all_verdicts(result) if v.get("diagnostic") and not v["passed"]})
+        if diagnostic:
+            what += f" (diagnostic, not counted: {', '.join(diagnostic)} FAIL)"
         parts.append(f'<p id="summary">{esc(what)}</p>')
     return Raw("\n".join(parts))
 
@@ -191,7 +197,7 @@ def _verdicts(verdicts: list[dict], heading: str, output_dir: str | None, result
         word = "PASS" if v["passed"] else "FAIL"
         name = v["tensor"] if v["passed"] else link(f"#{_anchor(tag, v['tensor'])}", v["tensor"])
         rows.append([name, "all", badge(word, big=False), _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")),
-                     Raw(f'<span class="label">{esc(v["label"])}</span>')])
+                     Raw(f'<span class="label">{esc(comparator_text(v))}</span>')])
         attrs.append(f'class="tensor" data-tensor="{esc(v["tensor"])}" data-verdict="{word}"')
         for pr in v.get("per_rank", []):
             rank = pr["rank"] if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"

@@ -36,8 +36,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.config.slurm import node_output_dir
+from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
-from launcher.report.console import case_columns, fmt, starts_text, table_lines
+from launcher.report.console import case_columns, comparator_text, fmt, starts_text, table_lines
 from launcher.report.result import (
     EXIT_ERROR,
     EXIT_FAIL,
@@ -86,9 +87,14 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
     row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
-    failed = [v for v in verdicts if not v["passed"]]
+    failed = [v for v in verdicts if fails_the_run(v)]
     broken = integrity_failures(result)
     row["failed_tensors"] = sorted({v["tensor"] for v in failed} | {c["tensor"] for c in broken})
+    # Every check's effective comparator; `overridden`: what the tolerance config set.
+    row["checks"] = [{"tensor": v["tensor"], "comparator": v["label"], "passed": v["passed"],
+                      "diagnostic": bool(v.get("diagnostic")), "overridden": v.get("overridden") or {}}
+                     for v in result.get("verdicts", [])]
+    row["tolerance_profile"] = (result.get("tolerance") or {}).get("profile")
     worst = _worst(verdicts, set(row["failed_tensors"]))
     tally = worst["tally"] if worst else {}
     row.update(
@@ -115,11 +121,11 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         row["message"] = f"{where}{stage}{e['message']}"
         row["traceback"] = e.get("traceback", "")
     else:
-        messages = [f"{v['tensor']} FAIL ({v['label']})" for v in failed]
+        messages = [f"{v['tensor']} FAIL ({comparator_text(v)})" for v in failed]
         if broken:  # the integrity verdict beside the reference one, when it decides
             messages.append(integrity_verdict(result) if failed else verdict_pair(result))
         row["message"] = "; ".join(messages)
-        row["details"] = [f"{v['tensor']} FAIL ({v['label']})\n{v['detail']}" for v in failed]
+        row["details"] = [f"{v['tensor']} FAIL ({comparator_text(v)})\n{v['detail']}" for v in failed]
         row["details"] += [f"{check_name(c)} integrity FAIL\n{c['detail']}" for c in broken]
     return row
 
@@ -187,6 +193,7 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
             "classname": f"{suite}.{r.get('layer') or 'unknown'}.{r.get('scope') or 'full'}", "name": _xml_text(name),
             "time": f"{r.get('wall_s') or 0.0:.3f}",
         })
+        _check_properties(tc, r)
         if r["verdict"] == "FAIL":
             el = ET.SubElement(tc, "failure", {"message": _xml_text(r["message"]), "type": "FAIL"})
             el.text = _xml_text("\n\n".join(r.get("details", [])))
@@ -202,6 +209,19 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
         out.text = f"output_dir: {r['output_dir']}"
     ET.indent(root)
     return ET.ElementTree(root)
+
+
+def _check_properties(testcase: ET.Element, row: dict) -> None:
+    """The effective comparator of every check (its tolerance-set parameters marked) and the
+    tolerance profile, as testcase properties."""
+    if not row.get("checks"):
+        return
+    props = ET.SubElement(testcase, "properties")
+    ET.SubElement(props, "property", {"name": "tolerance_profile", "value": str(row.get("tolerance_profile"))})
+    for c in row["checks"]:
+        value = comparator_text({"label": c["comparator"], "overridden": c["overridden"]})
+        verdict = ("PASS" if c["passed"] else "FAIL") + (" (diagnostic)" if c["diagnostic"] else "")
+        ET.SubElement(props, "property", {"name": f"check.{c['tensor']}", "value": _xml_text(f"{verdict} {value}")})
 
 
 # -- the sweep's own record: which jobs it planned, which results belong to it ----------------

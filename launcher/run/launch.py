@@ -36,7 +36,8 @@ _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # and NCCL's wording, and HCCL's ("... times out", its timeout error code and the CANN error
 # codes of a notify wait or socket that timed out).
 _CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|timed out|times out|"
-                       r"DistBackendError|NCCL communicator was aborted|heartbeat|HCCL_E_TIMEOUT|\bEI000[26]\b",
+                       r"DistBackendError|NCCL communicator was aborted|heartbeat|HCCL_E_TIMEOUT|\bEI000[26]\b|"
+                       r"the golden failed on rank",
                        re.IGNORECASE)
 
 

@@ -11,6 +11,7 @@ weights, spec validation.md §5.3) is computed on that rank, in parallel with th
 clones taken before the implementation runs, with the same thread count: the per-rank front of
 the layer is then bit-identical between golden and implementation, and only the output half
 differs by fp32 summation order. Rank 0 gathers actual and golden outputs and compares.
+A golden that fails on any rank stops every rank before the implementation runs.
 With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
 slice); `recompute_golden` adds the computed golden as a second reference.
 Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return the
@@ -48,6 +49,7 @@ from layers.distributed import wire
 from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
+from launcher.config.tolerance import fails_the_run
 from launcher.run import bench, devices, faults, forkserver, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.store import golden_cache, snapshot
@@ -289,24 +291,28 @@ def cached_group_golden(spec: RunSpec, layer, ctx: RankContext, inputs) -> tuple
     if every_hit.item():
         return hit, "hit"
     outputs = computed()
-    problem = golden_cache.store(spec.golden_cache, ident, outputs)
+    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
     if problem:
         log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
     return outputs, f"not written: {problem}" if problem else None
 
 
-def compare(case, layer, actual: dict, golden: dict, context: dict, integrity_on: bool) -> tuple[list[dict], list[dict]]:
+def compare(case, tolerances, layer, actual: dict, golden: dict, context: dict,
+            integrity_on: bool) -> tuple[list[dict], list[dict]]:
     """`(verdicts, integrity checks)`: every check of the layer in its validation order, on one
-    TP group's stacked [tp, ...] tensors, and the integrity checks beside them (none when
+    group's stacked [size, ...] tensors, with the run's tolerances (a diagnostic check is judged
+    and reported, and never fails the run), and the integrity checks beside them (none when
     `integrity_on` is False)."""
     inputs = dict(context)  # slot mappings and, under initial_key(name), the pre-step pools
     inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
     verdicts, integrity = [], []
-    for check in layer.checks(case):
+    for default in layer.checks(case):
+        check, overridden = tolerances.apply(default)
         a, e = actual[check.output], golden[check.output]
         cmp = build_comparator(check, mapping_shape=(case.group_size, case.local_t), leading_rank_axis=True)
         v = cmp.evaluate(a, e, inputs=inputs, actual_outputs=actual, expected_outputs=golden)
-        verdict = {"tensor": check.output, **v.to_dict()}
+        verdict = {"tensor": check.output, **v.to_dict(), "diagnostic": check.output in tolerances.diagnostic,
+                   "overridden": overridden}
         found = integrity_checks(check, a, e, inputs) if integrity_on else []
         if not v.passed or not all(c.passed for c in found):
             # where the errors are: per rank x row block / head group / page
@@ -354,6 +360,24 @@ def rank_main(spec: RunSpec):
     return result
 
 
+class ReferenceFailed(RuntimeError):
+    """A peer's golden (or its snapshot's reference) failed: this rank stops before the
+    implementation runs."""
+
+
+def stop_unless_every_reference_was_made(failure: Exception | None, rank: int, world: int) -> None:
+    """A golden that fails stops the run before any rank runs the implementation (the reference
+    runner's rule, validation.md §3 step 3): the ranks agree first. The failing rank raises its
+    own error, every other rank a `ReferenceFailed` naming it."""
+    failed = [None] * world
+    dist.all_gather_object(failed, failure is not None)
+    if failure is not None:
+        raise failure
+    if any(failed):
+        ranks = [r for r, f in enumerate(failed) if f]
+        raise ReferenceFailed(f"rank {rank}: the golden failed on rank(s) {ranks}; no rank runs the implementation")
+
+
 def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     """One rank's run; `layout` places it in its TP group, `group` is that group's process
     group. Everything the harness gathers goes to global rank 0 over the world group."""
@@ -383,19 +407,24 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     ctx = RankContext(case=case, rank=grank, device=device, group=group, global_rank=rank, group_index=layout.group)
     references, cache_status, context = {}, None, {}
     if spec.golden:
-        with timer.stage("golden"):
-            if spec.golden_data:
-                references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, grank, specs)
-            if not spec.golden_data or spec.recompute_golden:
-                if layer.golden_per_rank:
-                    references["golden"], cache_status = cached_golden(spec, layer, case, inputs, grank, wo_full)
-                else:  # computed by the group together (the harness's collectives, never the impl's)
-                    references["golden"], cache_status = cached_group_golden(spec, layer, ctx, inputs)
-            for source, reference in references.items():
-                check_reference_finite(spec, case, layer, source, reference, inputs, rank,
-                                       cached=source == "golden" and cache_status == "hit")
-            context = {n: inputs[n].clone() for n in mappings}
-            context.update({initial_key(n): inputs[n].clone() for n in inout})
+        failure = None
+        try:
+            with timer.stage("golden"):
+                if spec.golden_data:
+                    references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, grank, specs)
+                if not spec.golden_data or spec.recompute_golden:
+                    if layer.golden_per_rank:
+                        references["golden"], cache_status = cached_golden(spec, layer, case, inputs, grank, wo_full)
+                    else:  # computed by the group together (the harness's collectives, never the impl's)
+                        references["golden"], cache_status = cached_group_golden(spec, layer, ctx, inputs)
+                for source, reference in references.items():
+                    check_reference_finite(spec, case, layer, source, reference, inputs, rank,
+                                           cached=source == "golden" and cache_status == "hit")
+                context = {n: inputs[n].clone() for n in mappings}
+                context.update({initial_key(n): inputs[n].clone() for n in inout})
+        except Exception as e:  # raised once every rank has heard of it
+            failure = e
+        stop_unless_every_reference_was_made(failure, rank, world)
     del wo_full
     if spec.save_data:
         with timer.stage("save"):
@@ -452,7 +481,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             expected_g = {src: by_group(e, layout) for src, e in expected.items()}
             comparisons, integrity = [], []  # by group: {reference: verdicts}, {reference: checks}
             for g in range(layout.dp):
-                judged = {src: compare(spec.case.of_group(g), layer, actual_g[g], expected_g[src][g], context_g[g],
+                judged = {src: compare(spec.case.of_group(g), spec.tolerances, layer, actual_g[g], expected_g[src][g], context_g[g],
                                        spec.integrity) for src in expected}
                 comparisons.append({src: vs for src, (vs, _) in judged.items()})
                 integrity.append({src: cs for src, (_, cs) in judged.items()} if spec.integrity else None)
@@ -492,8 +521,10 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
 
 
 def _passed(comparisons: list[dict], integrity: list[dict | None]) -> bool:
-    judged = [*comparisons, *(i for i in integrity if i is not None)]
-    return all(v["passed"] for by_ref in judged for vs in by_ref.values() for v in vs)
+    """No reference check fails the run (a diagnostic one never does), no integrity check fails."""
+    checks = [c for by_ref in integrity if by_ref is not None for cs in by_ref.values() for c in cs]
+    return (not any(fails_the_run(v) for by_ref in comparisons for vs in by_ref.values() for v in vs)
+            and all(c["passed"] for c in checks))
 
 
 @functools.cache

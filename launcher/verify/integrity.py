@@ -139,7 +139,8 @@ class MappedRows:
 
     def per_rank(self, bad: torch.Tensor) -> list[int]:
         """Bad rows (`[n_mapped]`) or values (`[n_mapped, W]`) per rank."""
-        per_row = bad.reshape(len(self.keys), -1).sum(dim=1)
+        # No mapped row (a step that writes no compressed row): reshape cannot infer -1 from 0.
+        per_row = bad.reshape(len(self.keys), -1).sum(dim=1) if len(self.keys) else torch.zeros(0, dtype=torch.int64)
         return torch.zeros(self.p, dtype=torch.int64).index_add_(0, self.rank, per_row).tolist()
 
     def where(self, g: int) -> dict[str, int]:

@@ -60,7 +60,10 @@ class Case:
     def local_t_pad(self) -> int:
         return round_up(self.capacity, 16)
 
-    def validate(self) -> None:
+    def validate(self, whole_requests: bool = True) -> None:
+        """The TP-level rules. `whole_requests`: local_t counts whole requests in whole 8-row
+        tiles (a layer); False for a scope whose tokens are rows of a buffer, any count in
+        [1, capacity] (the reference's collectives default is capacity - 1)."""
         m, tp, t = self.model, self.tp, self.local_t
         if tp < 1:
             raise ConfigError(f"tp={tp} must be >= 1")
@@ -69,6 +72,11 @@ class Case:
         if m.decode_batch % tp:
             raise ConfigError(f"tp={tp} must divide the decode batch {m.decode_batch} of model {m.name!r}")
         cap = self.capacity
+        if not whole_requests:
+            if not 1 <= t <= cap:
+                raise ConfigError(f"local_t={t} must be in [1, {cap}] (the rank capacity decode_batch*decode_seq/tp "
+                                  f"= {m.decode_tokens}/{tp}) for model {m.name!r}")
+            return
         step = row_block(m)
         if not (TOKEN_TILE <= t <= cap) or t % step:
             raise ConfigError(

@@ -111,5 +111,21 @@ class ActiveRowsCheck:
 
 Check = Union[PoolCheck, RelDiffCheck, StageCheck, ActiveRowsCheck]
 
+# The parameters of each check that are tolerances, which a run may set (`tolerance.<tensor>.
+# <param>`); the others (mappings, block sizes, valid rows, sentinels) are facts of the layer.
+# An exact check has none: bitwise is its definition.
+TOLERANCES: dict[type, tuple[str, ...]] = {
+    PoolCheck: ("atol", "rtol", "max_error_ratio"),
+    RelDiffCheck: ("diff_thd", "pct_thd", "max_diff_hd"),
+    AllcloseCheck: ("atol", "rtol", "max_error_ratio"),
+    PrefixTailCheck: ("atol", "rtol", "max_error_ratio"),
+    ExactCheck: (),
+}
+
+
+def tolerance_params(check: Check) -> tuple[str, ...]:
+    return TOLERANCES.get(type(check), ())
+
+
 __all__ = ["PoolCheck", "RelDiffCheck", "StageCheck", "ExactCheck", "AllcloseCheck", "PrefixTailCheck",
-           "ActiveRowsCheck", "Check"]
+           "ActiveRowsCheck", "Check", "TOLERANCES", "tolerance_params"]

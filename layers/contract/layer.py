@@ -28,6 +28,9 @@ class Layer(abc.ABC):
     # The golden projects with the full O weights (`full_o_weights`) in place of the rank's
     # shards; a focused scope without a sharded projection sets False.
     sharded_o_weights: ClassVar[bool] = True
+    # local_t is whole requests in whole 8-row tiles; a scope over plain buffer rows (output,
+    # collectives) takes any local_t in [1, capacity] (`Case.validate`).
+    whole_requests: ClassVar[bool] = True
     # Each rank computes the golden of its own shard alone (`golden`); a layer whose golden
     # needs every rank's data (the MoE routes) computes it with its group (`golden_of_group`).
     golden_per_rank: ClassVar[bool] = True
@@ -71,6 +74,11 @@ class Layer(abc.ABC):
     @abc.abstractmethod
     def checks(self, case: Case) -> tuple[Check, ...]:
         """The comparators of every compared output, in the spec's validation order."""
+
+    def start_positions(self, case: Case) -> list[list[int]] | None:
+        """Every rank's request start positions (rank r's list first to last request), as the
+        case's `start_pos` resolves them; None for a scope without requests."""
+        return None
 
     # -- derived helpers ---------------------------------------------------------------------
     def compared_names(self, case: Case) -> tuple[str, ...]:
