@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from launcher.config.spec import BenchSpec
+from launcher.report.console import bench_lines
 from launcher.run.bench import RankTimes, run_rounds, summarize
 from layers.contract.case import Case
 from layers.contract.config import TINY
@@ -158,3 +159,9 @@ def test_a_sweep_reports_each_jobs_median(tmp_path):
     assert "bench_ms" in p.stdout
     props = junit.findall(".//testcase/properties/property[@name='bench_median_s']")
     assert [float(e.get("value")) for e in props] == [j["bench_median_s"] for j in summary["jobs"]]
+
+
+def test_the_bench_line_gives_rounds_over_a_second_in_seconds():
+    lines = bench_lines({"rounds": 2, "warmup": 0, "min_s": 0.0247, "median_s": 3.79, "mean_s": 3.86, "max_s": 4.4})
+    assert lines == ["bench: 2 rounds after 0 warm-up, slowest rank per round: "
+                     "min 24.7 ms | median 3.79 s | mean 3.86 s | max 4.4 s"]

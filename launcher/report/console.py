@@ -192,7 +192,8 @@ def _verdict_word(verdict: dict) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+    """A round's time, 3 significant digits, in ms below a second and in s above (never 3.4e+03 ms)."""
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def bench_lines(bench: dict) -> list[str]:
