@@ -2,7 +2,7 @@
 
     python scripts/soak.py --rounds 20
 
-Each round runs every layer at tiny dims at tp 1 and 4, plus one run with an injected fault
+Each round runs every attention layer at tiny dims at tp 1 and 4 and the MoE layer at ep 2, plus one run with an injected fault
 (rank 1 raises) and one with a defective implementation, through the same in-process launcher
 the pytest plugin uses (the forkserver stays warm, as in a sweep), in a child process whose temp
 folder is a fresh one of its own. After each round it records the launcher's open file descriptors,
@@ -29,6 +29,7 @@ from launcher.pytest_plugin import run_layer  # noqa: E402
 
 JOBS = [
     *[{"layer": layer, "tp": tp, "model": "tiny"} for layer in ("swa", "csa", "hca") for tp in (1, 4)],
+    {"layer": "moe", "ep": 2, "model": "tiny"},
     {"layer": "swa", "tp": 2, "model": "tiny", "overrides": ["fault.kind=raise", "fault.rank=1"]},
     {"layer": "swa", "tp": 2, "model": "tiny", "impl": "tests.defects.PerturbRankTokens"},
 ]
