@@ -81,8 +81,9 @@ def _changed(value):
         return {**value, "extra": 1}
     if isinstance(value, tuple):
         return (*value, 1)
-    if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, name="other")
+    if dataclasses.is_dataclass(value):  # its first field changed
+        first = dataclasses.fields(value)[0].name
+        return dataclasses.replace(value, **{first: _changed(getattr(value, first))})
     raise TypeError(type(value))
 
 

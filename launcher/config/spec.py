@@ -268,6 +268,7 @@ def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str]
     (`launcher.store.snapshot_case.describe`): the config floor opens no snapshot itself. The
     snapshot's layer is read first, since it decides which keys the case takes.
     """
+    _performance(cfg)  # keys that cannot go together are refused before any snapshot is read
     given = given_keys(cfg, overrides)
     facts = None
     # A replay is of one group: with dp != 1, run_spec refuses it before any file is read.
