@@ -152,19 +152,25 @@ def _hydra_main(cfg: DictConfig) -> int:
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
         write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
         return EXIT_ERROR
+    return _execute_sweep_job(cfg, output_dir, job, overrides, hydra_cfg)
+
+
+def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], hydra_cfg) -> int:
+    """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
+    this node (`launcher.config.job_slot`), else with the whole node."""
     cpus = devices.cpu_affinity()
     planned = (sweep.read_record(hydra_cfg.sweep.dir) or {}).get("jobs")
     planned_n = len(planned) if planned is not None else None
     if cpus is None or slot_count(hydra_cfg.launcher, planned_n, len(cpus), None) == 1:
-        return execute(cfg, output_dir, job, overrides)  # one job at a time here: the whole node is its
+        return execute(cfg, output_dir, job, overrides)
     try:
         device_env, node_devices = devices.node_devices()
-    except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a lost job
+    except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a job without a result
         write_result_and_page(output_dir, launcher_error(config_case(cfg), e, wall_s=0.0), job)
         return EXIT_ERROR
     count = slot_count(hydra_cfg.launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
     # Held until the job's result is written; released whatever happens, the job's death included.
-    with slots.claim(os.path.abspath(hydra_cfg.sweep.dir), count, num) as index:
+    with slots.claim(os.path.abspath(hydra_cfg.sweep.dir), count, job["num"]) as index:
         return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env))
 
 
