@@ -87,6 +87,17 @@ def test_a_slot_with_fewer_devices_than_ranks_is_refused_naming_the_slot():
     devices.check_devices("nccl", 1, slot)
 
 
+def test_the_node_devices_are_the_ones_the_visibility_variable_lists(monkeypatch):
+    monkeypatch.setattr(devices, "resolve_backend", lambda requested: "nccl")
+    monkeypatch.setattr(devices, "device_count", lambda backend: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5, 6,7")
+    assert devices.node_devices() == ("CUDA_VISIBLE_DEVICES", ["4", "5", "6", "7"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert devices.node_devices() == ("CUDA_VISIBLE_DEVICES", [str(i) for i in range(8)])
+    monkeypatch.setattr(devices, "resolve_backend", lambda requested: "gloo")
+    assert devices.node_devices() == (None, None)
+
+
 def test_a_rank_enters_its_slot():
     # In a fresh process, as a rank forked from the forkserver is: its cores and its devices.
     cpu = min(os.sched_getaffinity(0))

@@ -67,7 +67,7 @@ def check_devices(backend: str, nproc_per_node: int, slot: JobSlot | None = None
     if backend not in VISIBLE_DEVICES_ENV:
         return
     visible = VISIBLE_DEVICES_ENV[backend]
-    if slot is not None and slot.devices is not None:
+    if slot is not None and slot.device_env == visible:  # the slot sliced this backend's devices
         n, seen = len(slot.devices), f"in this job's slot ({slot.describe()})"
         advice = "lower tp or hydra.launcher.n_jobs"
     else:
