@@ -4,6 +4,8 @@ Exit status: 0 when every compared tensor passed, 1 on a mismatch (FAIL), 2 on a
 (invalid config, a crashed or hung rank, an implementation that broke the contract).
 A multirun (`-m`) runs its jobs one after another, each with its own ranks; no job's failure
 or crash stops the others (unless fail_fast=true) and the exit status is the worst job's.
+Under a parallel Hydra launcher (joblib) each running job holds a job slot, its own share of
+the node's cores and devices (`launcher.config.job_slot`).
 Every job leaves `<output_dir>/result.json` and its page `report.html`, whatever its outcome.
 """
 
@@ -26,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from layers.contract.config import ConfigError
 
 from launcher import sweep_config
+from launcher.config.job_slot import JobSlot, job_slot, slot_count
 from launcher.config.slurm import node_output_dir
 from launcher.config.spec import config_case
 from launcher.report import console, progress, sweep
@@ -39,6 +42,7 @@ from launcher.report.result import (
     not_launched,
 )
 from launcher.report.run_page import write_result_and_page
+from launcher.run import devices, slots
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
 
@@ -47,14 +51,16 @@ from launcher.run.preflight import preflight
 log = logging.getLogger("launcher")
 
 
-def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides: list[str] | None = None) -> int:
+def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides: list[str] | None = None,
+            slot: JobSlot | None = None) -> int:
     """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
     that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
     (`launcher.report.sweep.job_entry`), recorded in result.json; `overrides`: the run's
-    override strings (the keys the user gave explicitly)."""
+    override strings (the keys the user gave explicitly); `slot`: the share of the node a job
+    running beside others holds (None: the whole node)."""
     t0 = time.perf_counter()
     try:
-        return _execute(cfg, output_dir, t0, job, overrides)
+        return _execute(cfg, output_dir, t0, job, overrides, slot)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
         result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
         write_result_and_page(output_dir, result, job)
@@ -62,13 +68,14 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides
         return EXIT_ERROR
 
 
-def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None) -> int:
+def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None,
+             slot: JobSlot | None) -> int:
     log.info("command line: %s", " ".join(sys.argv[1:]))
     if node_output_dir(output_dir, os.environ) != output_dir:
         # Node k > 0 of a Slurm job: only node 0's result (the compared one) is the sweep job's.
         output_dir, job = node_output_dir(output_dir, os.environ), None
     try:
-        spec = preflight(cfg, output_dir, overrides)
+        spec = preflight(cfg, output_dir, overrides, slot)
     except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
         message = " ".join(str(e).split())
         log.info("refused: %s", message)
@@ -83,8 +90,9 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
     c = spec.case
     size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
     label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
-    log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, output %s",
-             label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(), output_dir)
+    log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, %s, output %s",
+             label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(),
+             spec.slot.describe() if spec.slot else "the whole node", output_dir)
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
     result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
@@ -144,7 +152,26 @@ def _hydra_main(cfg: DictConfig) -> int:
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
         write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
         return EXIT_ERROR
-    return execute(cfg, output_dir, job, overrides)
+    return _execute_sweep_job(cfg, output_dir, job, overrides, hydra_cfg)
+
+
+def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], hydra_cfg) -> int:
+    """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
+    this node (`launcher.config.job_slot`), else with the whole node."""
+    cpus = devices.cpu_affinity()
+    planned = (sweep.read_record(hydra_cfg.sweep.dir) or {}).get("jobs")
+    planned_n = len(planned) if planned is not None else None
+    if cpus is None or slot_count(hydra_cfg.launcher, planned_n, len(cpus), None) == 1:
+        return execute(cfg, output_dir, job, overrides)
+    try:
+        device_env, node_devices = devices.node_devices()
+    except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a job without a result
+        write_result_and_page(output_dir, launcher_error(config_case(cfg), e, wall_s=0.0), job)
+        return EXIT_ERROR
+    count = slot_count(hydra_cfg.launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
+    # Held until the job's result is written; released whatever happens, the job's death included.
+    with slots.claim(os.path.abspath(hydra_cfg.sweep.dir), count, job["num"]) as index:
+        return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env))
 
 
 def one_line(hydra_message: str) -> str:

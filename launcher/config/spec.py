@@ -30,6 +30,7 @@ from layers.registry import get_scope, validated
 
 from launcher.config.faults import Fault
 from launcher.config.faults import check_unset as check_fault_unset
+from launcher.config.job_slot import JobSlot
 from launcher.config.overrides import override_keys
 from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer
 from launcher.config.resolvers import tp_of
@@ -92,6 +93,7 @@ class RunSpec:
     golden: bool = True  # False: a performance-only run, no golden and no comparison (UNCHECKED)
     bench: Optional[BenchSpec] = None  # benchmark rounds after the validated step
     integrity: bool = True  # the integrity checks beside the reference comparators also judge the run
+    slot: Optional[JobSlot] = None  # a sweep job run beside others on this node: its cores and devices
 
     @property
     def layer(self) -> Layer:
@@ -119,10 +121,11 @@ class RunSpec:
 
     def threads(self) -> int:
         """Per-rank intra-op threads: the cores this process may run on (taskset, a cpuset,
-        Slurm's --cpus-per-task) shared by its ranks, never oversubscribed."""
+        Slurm's --cpus-per-task), or its job slot's, shared by its ranks, never oversubscribed."""
         if self.threads_per_rank:
             return self.threads_per_rank
-        return max(1, usable_cpus() // self.local_ranks)
+        cpus = len(self.slot.cpus) if self.slot is not None else usable_cpus()
+        return max(1, cpus // self.local_ranks)
 
     def case_entry(self) -> dict:
         """result.json's `case`: what ran, as the config names it."""

@@ -25,6 +25,7 @@ through `launcher.report.run_page.write_result_and_page`, which adds the run's r
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -108,6 +109,7 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
         "backend": backend,
         "devices": devices.device_names(backend, spec.local_ranks),
         "threads_per_rank": spec.threads(),
+        "job_slot": dataclasses.asdict(spec.slot) if spec.slot is not None else None,
         "wall_s": round(wall_s, 3),
         "log_dir": log_dir,
     }
@@ -127,7 +129,7 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
     result.update(
         status="ok", rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
         golden_cache_problems=r["golden_cache_problems"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
-        golden_data=spec.golden_data, save_data=spec.save_data,
+        rank_cpus=r["rank_cpus"], golden_data=spec.golden_data, save_data=spec.save_data,
     )
     if r.get("bench") is not None:
         result["bench"] = r["bench"]

@@ -2,7 +2,8 @@
 
 torch_npu is imported lazily, only when the hccl backend is chosen or probed for `auto`, so the
 CPU and CUDA paths never need it. Device visibility (CUDA_VISIBLE_DEVICES,
-ASCEND_RT_VISIBLE_DEVICES) is honoured because the runtime itself applies it before counting.
+ASCEND_RT_VISIBLE_DEVICES) is honoured because the runtime itself applies it before counting;
+a job that holds a job slot sets it, and its cores, in each of its ranks (`enter_job_slot`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import torch
 
 from layers.contract.config import ConfigError
 
+from launcher.config.job_slot import JobSlot
+
 DEVICE_TYPE = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
+VISIBLE_DEVICES_ENV = {"nccl": "CUDA_VISIBLE_DEVICES", "hccl": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 def _torch_npu():
@@ -58,14 +62,53 @@ def device_count(backend: str) -> int | None:
     return None
 
 
-def check_devices(backend: str, nproc_per_node: int) -> None:
-    n = device_count(backend)
-    if n is not None and nproc_per_node > n:
-        visible = {"nccl": "CUDA_VISIBLE_DEVICES", "hccl": "ASCEND_RT_VISIBLE_DEVICES"}[backend]
-        raise ConfigError(
-            f"{nproc_per_node} ranks per node need {nproc_per_node} {DEVICE_TYPE[backend]} devices but {n} "
-            f"are visible ({visible}={os.environ.get(visible, '<unset>')}); lower tp or use backend=gloo"
-        )
+def check_devices(backend: str, nproc_per_node: int, slot: JobSlot | None = None) -> None:
+    """Refuse more ranks on this node than devices they can see (in the job's slot, if it has one)."""
+    if backend not in VISIBLE_DEVICES_ENV:
+        return
+    visible = VISIBLE_DEVICES_ENV[backend]
+    if slot is not None and slot.device_env == visible:  # the slot sliced this backend's devices
+        n, seen = len(slot.devices), f"in this job's slot ({slot.describe()})"
+        advice = "lower tp or hydra.launcher.n_jobs"
+    else:
+        n, seen = device_count(backend), f"visible ({visible}={os.environ.get(visible, '<unset>')})"
+        advice = "lower tp or use backend=gloo"
+    if nproc_per_node > n:
+        raise ConfigError(f"{nproc_per_node} ranks per node need {nproc_per_node} {DEVICE_TYPE[backend]} devices "
+                          f"but {n} are {seen}; {advice}")
+
+
+def node_devices() -> tuple[str, list[str]] | tuple[None, None]:
+    """(visibility variable, ids) of the accelerators this node's runs would use (`auto`), as
+    that variable names them: its own list where it is set, else 0..n-1; (None, None) on a CPU
+    node."""
+    backend = resolve_backend("auto")
+    if backend not in VISIBLE_DEVICES_ENV:
+        return None, None
+    env = VISIBLE_DEVICES_ENV[backend]
+    given = os.environ.get(env)
+    if given is not None:
+        return env, [d.strip() for d in given.split(",") if d.strip()]
+    return env, [str(i) for i in range(device_count(backend))]
+
+
+def cpu_affinity() -> list[int] | None:
+    """The cores this process may run on; None where the platform does not say."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def enter_job_slot(slot: JobSlot | None) -> None:
+    """Confine this rank to its job's slot: its cores, and its devices before the runtime counts
+    them. Set in each rank, since ranks fork from a forkserver that keeps the job process's
+    affinity and environment from when it started."""
+    if slot is None:
+        return
+    os.sched_setaffinity(0, slot.cpus)
+    if slot.devices is not None:
+        os.environ[slot.device_env] = ",".join(slot.devices)
 
 
 # What CANN accepts: the connect timeout in [120, 7200] s; the execution timeout counts in

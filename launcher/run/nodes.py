@@ -19,9 +19,9 @@ from launcher.config.spec import RunSpec
 from launcher.store import snapshot
 
 # Fields each node may set for itself: where it writes, how it reaches node 0, its cache, its
-# threads and start method, its plots.
+# threads, job slot and start method, its plots.
 NODE_LOCAL = frozenset({"output_dir", "node_rank", "master_addr", "master_port", "golden_cache", "threads_per_rank",
-                        "start_method", "report_plots"})
+                        "slot", "start_method", "report_plots"})
 # Paths that may differ between nodes (each mounts its own); whether each is set must agree.
 NODE_PATHS = frozenset({"golden_data", "save_data"})
 

@@ -4,10 +4,10 @@
 case, the layer's rules; with a replayed snapshot, the case it holds; the tolerances). This adds
 what only the machine can tell, or the comparators: that the snapshot's files fit the case (and
 its manifest's sha256), that a snapshot to save has a place to go, that every comparator takes
-its tolerances, that the backend has a device for every rank of this node, that node 0's
-rendezvous port is free, and that the implementation can be imported. `python -m launcher` and
-`launcher.torchrun` both start here; every refusal is a ConfigError naming the key, the value
-and the rule.
+its tolerances, that the backend has a device for every rank of this node (of its job slot, in
+a sweep whose jobs run side by side), that node 0's rendezvous port is free, and that the
+implementation can be imported. `python -m launcher` and `launcher.torchrun` both start here;
+every refusal is a ConfigError naming the key, the value and the rule.
 """
 
 from __future__ import annotations
@@ -22,16 +22,20 @@ from omegaconf import DictConfig
 
 from layers.contract.config import ConfigError
 
+from launcher.config.job_slot import JobSlot
 from launcher.config.spec import RunSpec, validated_spec
 from launcher.run import devices
 from launcher.store import snapshot, snapshot_case
 from launcher.verify.build import build_comparator
 
 
-def preflight(cfg: DictConfig, output_dir: str, overrides: Sequence[str] | None = None) -> RunSpec:
+def preflight(cfg: DictConfig, output_dir: str, overrides: Sequence[str] | None = None,
+              slot: JobSlot | None = None) -> RunSpec:
     """The validated RunSpec of a composed config, checked against this machine. `overrides`:
-    the run's override strings (what the user gave explicitly; None: every key as composed)."""
+    the run's override strings (what the user gave explicitly; None: every key as composed);
+    `slot`: the share of this node a sweep job running beside others holds."""
     spec = validated_spec(cfg, output_dir, overrides=overrides, describe_snapshot=snapshot_case.describe)
+    spec = dataclasses.replace(spec, slot=slot)
     if spec.golden_data:
         snapshot.check(spec.golden_data, spec.layer.tensor_specs(spec.case), spec.case.group_size)
     if spec.save_data and spec.node_rank == 0:  # rank 0, on node 0, writes it
@@ -43,7 +47,7 @@ def preflight(cfg: DictConfig, output_dir: str, overrides: Sequence[str] | None 
         except ValueError as e:
             raise ConfigError(f"tolerance of {check.output}: {e}") from e
     backend = devices.resolve_backend(spec.backend)
-    devices.check_devices(backend, spec.local_ranks)
+    devices.check_devices(backend, spec.local_ranks, slot)
     # A rank of an external launcher (RANK set) finds the port held by that launcher's store.
     if spec.nnodes > 1 and spec.node_rank == 0 and "RANK" not in os.environ:
         devices.check_port_free(spec.master_addr, spec.master_port)

@@ -325,6 +325,7 @@ def compare(case, tolerances, layer, actual: dict, golden: dict, context: dict,
 
 def rank_main(spec: RunSpec):
     lifeline.die_with_parent()  # a rank never outlives its parent, whatever kills the launcher
+    devices.enter_job_slot(spec.slot)  # before anything counts the cores or devices
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     if spec.nnodes > 1:
         # The rendezvous orders nodes by address and pid, not by node_rank; we number the ranks
@@ -472,8 +473,8 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                 if trace:
                     bench_figures["profiles"] = [os.path.join("profile", f"rank{r}.json") for r in range(world)]
     stats = [None] * world if rank == 0 else None
-    dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib()},
-                       stats, dst=0)
+    dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib(),
+                        "cpus": devices.cpu_affinity()}, stats, dst=0)
     comparisons = integrity = None
     if rank == 0 and spec.golden:
         with timer.stage("compare"):
@@ -517,6 +518,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache"] == "hit"],
         "golden_cache_problems": sorted({s["golden_cache"] for s in stats if s["golden_cache"] not in (None, "hit")}),
         "rank_peak_rss_mib": [s["peak_rss_mib"] for s in stats],
+        "rank_cpus": [s["cpus"] for s in stats],  # each rank's CPU affinity
     }
 
 
