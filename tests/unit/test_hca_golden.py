@@ -65,7 +65,7 @@ def replay(root: str) -> dict:
 @pytest.fixture(scope="module")
 def replayed() -> dict:
     _snapshot()
-    code = "import json, sys; from tests.test_hca_golden import replay; print(json.dumps(replay(sys.argv[1])))"
+    code = "import json, sys; from tests.unit.test_hca_golden import replay; print(json.dumps(replay(sys.argv[1])))"
     env = dict(os.environ, PYTHONPATH=str(REPO), MKL_CBWR="AVX2,STRICT", OMP_NUM_THREADS="2")
     proc = subprocess.run(
         [sys.executable, "-c", code, str(SNAPSHOT)], env=env, capture_output=True, text=True, timeout=300
