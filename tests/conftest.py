@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,15 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None =
         [sys.executable, "-m", "launcher", *args, f"hydra.run.dir={cwd}/out"],
         cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
     )
+
+
+def multirun(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict, ET.Element]:
+    sweep_dir = tmp_path / "sweep"
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher", "-m", *args, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300,
+    )
+    assert (sweep_dir / "summary.json").is_file(), p.stdout + p.stderr
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    junit = ET.parse(sweep_dir / "junit.xml").getroot()
+    return p, summary, junit

@@ -7,7 +7,10 @@ stage. The workers import this module by name, as they would a user's implementa
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -406,3 +409,23 @@ class NotCallable:
 
 
 NOT_AN_IMPLEMENTATION = 3
+
+
+class CrashOnRank1(TorchTP):
+    """Rank 1's process dies in the middle of the layer, as a segfault would end it."""
+
+    def __call__(self, ctx, tensors):
+        if ctx.rank == 1:
+            os._exit(7)
+        return super().__call__(ctx, tensors)
+
+
+class KillJobProcess:
+    """Kills the process that runs the job with SIGKILL (a rank's parent is the forkserver,
+    whose parent is the job's process)."""
+
+    def __call__(self, ctx, tensors):
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            job_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        os.kill(job_pid, signal.SIGKILL)
+        time.sleep(60)

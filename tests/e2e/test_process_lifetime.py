@@ -1,0 +1,109 @@
+"""The launcher's processes live and die with it: killed outright, it leaves no rank, forkserver
+or resource tracker behind and closes its caller's pipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ..conftest import REPO
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live processes of session `sid` (the launcher starts one; its ranks, forkserver and
+    resource tracker stay in it), zombies left out."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, _pgrp, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue
+        if int(session) == sid and state != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def start_launcher(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", *args, f"hydra.run.dir={out}"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def wait_for_events(out: Path, wanted: dict[int, tuple[str, str]], timeout: float = 120) -> None:
+    """Until each rank's progress has its wanted (stage, event)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = set()
+        for rank, (stage, event) in wanted.items():
+            path = out / "progress" / f"rank{rank}.jsonl"
+            lines = path.read_text().splitlines() if path.exists() else []
+            if any(json.loads(ln)["stage"] == stage and json.loads(ln)["event"] == event for ln in lines if ln.strip()):
+                seen.add(rank)
+        if seen == set(wanted):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the ranks never reached {wanted}")
+
+
+def assert_all_gone(proc: subprocess.Popen) -> None:
+    """Within 10 s of the kill: both pipes at EOF (no process holds them) and no process left."""
+    proc.communicate(timeout=10)  # raises TimeoutExpired while any process holds a pipe open
+    deadline = time.monotonic() + 10
+    while session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session_processes(proc.pid) == []
+
+
+def test_sigkill_while_a_rank_hangs_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = start_launcher(out, "layer=swa", "tp=2", "model=tiny", "timeout_s=120", "fault.kind=hang", "fault.rank=1")
+    wait_for_events(out, {1: ("layer", "start")})
+    proc.kill()
+    assert_all_gone(proc)
+
+
+def test_sigkill_after_the_ranks_finished_leaves_nothing(tmp_path):
+    # The launcher is frozen once every rank is past its rendezvous, so the ranks finish their
+    # work and block in elastic's wrapper, waiting for a reader that never comes.
+    out = tmp_path / "out"
+    proc = start_launcher(out, "layer=csa", "tp=2", "model=small", "timeout_s=120", "golden_cache=null")
+    wait_for_events(out, {0: ("fixture", "start"), 1: ("fixture", "start")})
+    proc.send_signal(signal.SIGSTOP)
+    assert proc.poll() is None and not (out / "result.json").exists(), "the run ended before the launcher was stopped"
+    wait_for_events(out, {0: ("compare", "done"), 1: ("gather", "done")})
+    proc.kill()
+    assert_all_gone(proc)
+
+
+def rank_pid(out: Path, rank: int) -> int:
+    return json.loads((out / "progress" / f"rank{rank}.pid").read_text())["pid"]
+
+
+@pytest.mark.parametrize("tp, rank, stage, why", [
+    (1, 0, "golden", "past its own deadline"),  # no peer times out, and its deadline thread is frozen
+    (2, 1, "layer", "after its peers had ended"),  # rank 0 times out; a stopped rank ignores SIGTERM
+])
+def test_a_frozen_rank_is_killed_and_named(tmp_path, tp, rank, stage, why):
+    out = tmp_path / "out"
+    proc = start_launcher(out, "layer=swa", f"tp={tp}", "model=tiny", "timeout_s=5", "golden_cache=null",
+                          "fault.kind=hang", f"fault.rank={rank}", f"fault.stage={stage}")
+    wait_for_events(out, {rank: (stage, "start")})
+    os.kill(rank_pid(out, rank), signal.SIGSTOP)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 2, stdout + stderr
+    err = json.loads((out / "result.json").read_text())["error"]
+    assert (err["rank"], err["stage"]) == (rank, stage), err
+    assert f"rank {rank} was frozen (process state T" in err["message"] and why in err["message"], err
+    assert f"rank {rank} failed in stage '{stage}'" in stdout.decode()
+    assert session_processes(proc.pid) == []

@@ -1,0 +1,1 @@
+"""Unit tests: the spec's math, fixtures, comparators, config and report pages, in one process."""
