@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_module
 
 from launcher.run.forkserver import set_reproducible_cpu_env
 
@@ -58,3 +59,9 @@ def multirun(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict, E
     summary = json.loads((sweep_dir / "summary.json").read_text())
     junit = ET.parse(sweep_dir / "junit.xml").getroot()
     return p, summary, junit
+
+
+def compose_config(*overrides: str):
+    """The config `python -m launcher OVERRIDES` composes (no hydra node)."""
+    with initialize_config_module(config_module="configs", version_base=None):
+        return compose(config_name="config", overrides=list(overrides))

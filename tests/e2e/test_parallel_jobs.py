@@ -21,14 +21,12 @@ import pytest
 
 from layers.contract.config import ConfigError
 
-from launcher.config.job_slot import JobSlot, job_slot, slot_count
+from launcher.config.job_slot import job_slot, slot_count
 from launcher.config.spec import run_spec
 from launcher.report.result import EXIT_FAIL
 from launcher.run import devices, slots
 
-from .conftest import REPO
-from .test_configs import _compose
-from .test_sweeps import multirun
+from ..conftest import REPO, compose_config, multirun
 
 JOBLIB = {"_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher", "n_jobs": 2}
 BASIC = {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}
@@ -74,7 +72,7 @@ def test_slices_are_equal_whichever_slot_a_job_draws():
 
 def test_threads_per_rank_come_from_the_slot(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
-    spec = run_spec(_compose("tp=8"), "/x")
+    spec = run_spec(compose_config("tp=8"), "/x")
     assert spec.threads() == 8  # the whole node
     assert dataclasses.replace(spec, slot=job_slot(0, 4, list(range(64)))).threads() == 2  # 16 cores / 8 ranks
 
