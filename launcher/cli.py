@@ -31,8 +31,7 @@ from launcher import sweep_config
 from launcher.config.job_slot import JobSlot, job_slot, slot_count
 from launcher.config.slurm import node_output_dir
 from launcher.config.spec import config_case
-from launcher.report import console, progress, sweep
-from launcher.report.plots import write_plots
+from launcher.report import console, plots, progress, sweep
 from launcher.report.result import (
     EXIT_ERROR,
     EXIT_PASS,
@@ -93,12 +92,13 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
     log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, %s, output %s",
              label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(),
              spec.slot.describe() if spec.slot else "the whole node", output_dir)
+    plots.preload_in_background()
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
     result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
                           wall_s=time.perf_counter() - t0)
     if spec.report_plots:
-        result["plots"] = write_plots(result, output_dir)
+        result["plots"] = plots.write_plots(result, output_dir)
     write_result_and_page(output_dir, result, job)
     report = console.render(result)
     log.info("report:\n%s", report)

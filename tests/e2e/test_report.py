@@ -24,6 +24,7 @@ from launcher.verify.where import error_maps, tally
 from layers.contract.checks import PoolCheck, RelDiffCheck
 
 from .. import defects
+from ..conftest import REPO
 
 RELDIFF = RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1.0)
 POOL = PoolCheck("kv_cache", mapping="slot_mapping", block_size=4, atol=1e-4, rtol=1 / 128)
@@ -268,8 +269,6 @@ def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
     """scripts/bench.py's scaling plot: wall time against tp and against local_t, drawn by matplotlib."""
     pytest.importorskip("matplotlib")
     import importlib.util
-
-    from .conftest import REPO
 
     spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
