@@ -429,3 +429,37 @@ class KillJobProcess:
             job_pid = int(f.read().rsplit(")", 1)[1].split()[1])
         os.kill(job_pid, signal.SIGKILL)
         time.sleep(60)
+
+
+# What `ChangesProcessState` leaves behind; `ExpectsFreshProcessState` refuses to run in it.
+LEFT_BEHIND_ENV = "DSV4_TEST_LEFT_BY_AN_EARLIER_JOB"
+LEFT_BEHIND_SEED = 12345
+
+
+class ChangesProcessState(TorchTP):
+    """Correct outputs, and then process-wide state changed through public APIs, which a warm
+    rank must put back before its next job."""
+
+    def __call__(self, ctx, tensors):
+        outputs = super().__call__(ctx, tensors)
+        os.environ[LEFT_BEHIND_ENV] = "1"
+        os.chdir("/")
+        torch.manual_seed(LEFT_BEHIND_SEED)
+        torch.set_default_dtype(torch.float64)
+        torch.set_grad_enabled(False)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_float32_matmul_precision("medium")
+        return outputs
+
+
+class ExpectsFreshProcessState(TorchTP):
+    """The default implementation, refusing to run where an earlier job's state is still there."""
+
+    def __call__(self, ctx, tensors):
+        left = {"environment": LEFT_BEHIND_ENV in os.environ, "cwd": os.getcwd() == "/",
+                "seed": torch.initial_seed() == LEFT_BEHIND_SEED, "dtype": torch.get_default_dtype() != torch.float32,
+                "grad mode": not torch.is_grad_enabled(), "determinism": torch.are_deterministic_algorithms_enabled(),
+                "matmul precision": torch.get_float32_matmul_precision() != "highest"}
+        if any(left.values()):
+            raise RuntimeError(f"an earlier job's process state is still here: {[k for k, v in left.items() if v]}")
+        return super().__call__(ctx, tensors)

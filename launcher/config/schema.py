@@ -72,6 +72,7 @@ class RunSchema:
     start_method: str = "forkserver"
     threads_per_rank: Optional[int] = None
     fail_fast: bool = False  # in a multirun: skip every job after the first that did not pass
+    warm_ranks: bool = True  # single node: a job that passed leaves its rank processes for the next
     report: ReportSchema = field(default_factory=ReportSchema)
     golden_data: Optional[str] = None
     save_data: Optional[str] = None

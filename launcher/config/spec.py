@@ -94,6 +94,7 @@ class RunSpec:
     bench: Optional[BenchSpec] = None  # benchmark rounds after the validated step
     integrity: bool = True  # the integrity checks beside the reference comparators also judge the run
     slot: Optional[JobSlot] = None  # a sweep job run beside others on this node: its cores and devices
+    warm_ranks: bool = True  # single node: a job that passed leaves its rank processes to the next job
 
     @property
     def layer(self) -> Layer:
@@ -209,6 +210,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         bisect=bool(cfg.bisect),
         report_plots=bool(cfg.report.plots),
         integrity=bool(cfg.integrity),
+        warm_ranks=bool(cfg.warm_ranks),
         dp=dp,
         golden=golden,
         bench=bench,

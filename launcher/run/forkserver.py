@@ -17,7 +17,7 @@ from launcher.run import lifeline
 
 # Imported by the forkserver once, so that each rank starts without re-importing torch; the
 # first arms the server to die with the launcher.
-PRELOAD = ["launcher.run.lifeline", "torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "layers.registry", "layers.tp",
+PRELOAD = ["launcher.run.lifeline", "torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "launcher.run.rank_server", "layers.registry", "layers.tp",
            "layers.stages", "launcher.verify.bisect"]
 
 # MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and

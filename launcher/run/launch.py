@@ -1,6 +1,8 @@
-"""Start one worker process per rank with torch.distributed.elastic and collect the outcome.
+"""Start this node's ranks, run the job on them and collect the outcome.
 
-Thin, as `torch.distributed.run` is: RunSpec -> LaunchConfig -> elastic_launch(rank_main).
+On one node the launcher's own rank processes run it (`launcher.run.rank_group`, which may
+keep them warm for a sweep's next job); across nodes torch's elastic agent does, as
+`torch.distributed.run` would: RunSpec -> LaunchConfig -> elastic_launch(rank_main).
 Each rank logs to `<output_dir>/logs/<run>/attempt_0/<rank>/{stdout,stderr}.log`; rank 0 is also
 teed to the console. A failing rank becomes a `RankFailure` naming the root-cause rank, the
 stage it failed in, its message, its traceback and its log folder.
@@ -28,7 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.run import devices, forkserver, watchdog
+from launcher.run import devices, forkserver, rank_group, watchdog
 from launcher.run.worker import progress_path, rank_main
 
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
@@ -165,12 +167,12 @@ def _stage_order(stage: str | None) -> int:
     return RANK_STAGES.index(stage) if stage in RANK_STAGES else len(RANK_STAGES)
 
 
-def _recorded_failures(e: ChildFailedError, log_root: str, run_id: str, nproc: int, rank_base: int,
+def _recorded_failures(reported: list[ProcessFailure], log_root: str, run_id: str, nproc: int, rank_base: int,
                        killed: dict) -> dict:
-    """The agent's failures, every rank the watchdog killed, and every rank that left an error
-    file before it was stopped."""
+    """The failures the ranks' monitor reported, every rank the watchdog killed, and every rank
+    that left an error file before it was stopped."""
     # Key by our global rank (node-major, see worker.rank_main), not the agent's numbering.
-    failures = {rank_base + f.local_rank: f for f in e.failures.values()}
+    failures = {rank_base + f.local_rank: f for f in reported}
     for rank in killed:  # the agent reports only the first failure it saw
         failures.setdefault(rank, ProcessFailure(local_rank=rank - rank_base, pid=-1, exitcode=-signal.SIGKILL,
                                                  error_file=""))
@@ -209,12 +211,13 @@ def _unfinished_stages(output_dir: str, ranks) -> dict[int, tuple[str, float]]:
     return open_stage
 
 
-def _failure(e: ChildFailedError, spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0,
+def _failure(reported: list[ProcessFailure], spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0,
              killed: dict | None = None) -> RankFailure:
-    """The root-cause failure; `killed`: the ranks the launcher's watchdog killed, and why."""
+    """The root-cause failure; `reported`: the failures the ranks' monitor saw (the elastic
+    agent's, or the rank group's); `killed`: the ranks the launcher's watchdog killed, and why."""
     nproc = spec.local_ranks
     killed = killed or {}
-    failures = _recorded_failures(e, log_root, run_id, nproc, rank_base, killed)
+    failures = _recorded_failures(reported, log_root, run_id, nproc, rank_base, killed)
     silent = _unfinished_stages(spec.output_dir, range(rank_base, rank_base + nproc))
     ranked = sorted(_describe(r, f, log_root, run_id, silent, killed) for r, f in failures.items())
     casualties_only = all(key[0] == CASUALTY for key, _ in ranked)
@@ -275,6 +278,53 @@ def launch(spec: RunSpec) -> LaunchOutcome:
     else:
         forkserver.use_standard_start_method(spec.start_method)
         forkserver.set_reproducible_cpu_env()  # inherited by every rank
+    if spec.nnodes == 1:
+        return _launch_here(spec, log_root, run_id)
+    return _launch_elastic(spec, log_root, run_id)
+
+
+def _launch_here(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
+    """Every rank on this node, in the launcher's own rank processes (`rank_group`): warm ones
+    a job of the same shape left, or new ones. The group is kept only when every rank
+    finished and the run did not fail."""
+    group = rank_group.POOL.take(spec)
+    try:
+        with watchdog.RankWatchdog(spec.output_dir, range(spec.world), spec.deadline_s) as dog:
+            results, failures = group.run(spec, run_id, log_root, on_rank_done=dog.finished)
+    except rank_group.Interrupted as e:  # every rank was stopped
+        return _interrupted(e.signum, log_root)
+    if failures is not None:  # the group was stopped
+        failure = _failure(failures, spec, log_root, run_id, 0, dog.killed)
+        return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
+    result = _comparing_rank_result(results.values())
+    if spec.warm_ranks and result.get("passed") is not False:
+        rank_group.POOL.keep(group)
+    else:
+        group.close()
+    result["rank_processes"] = {"jobs_run": group.jobs_run, "warm": group.jobs_run > 1}
+    return LaunchOutcome(result=result, failure=None, log_dir=log_root)
+
+
+def _interrupted(signum: int, log_root: str) -> LaunchOutcome:
+    name = signal.Signals(signum).name
+    failure = RankFailure(
+        rank=None, stage="interrupted", message=f"interrupted by {name}: every rank was stopped",
+        traceback="", exitcode=128 + int(signum), log_dir=log_root,
+    )
+    return LaunchOutcome(result=None, failure=failure, log_dir=log_root, interrupted=int(signum))
+
+
+def _comparing_rank_result(results) -> dict:
+    """The comparing rank's (global rank 0) full result; every other rank returns the verdict
+    rank 0 broadcast, which is all a node without rank 0 reports."""
+    results = [r for r in results if r is not None]
+    full = [r for r in results if r.get("reporting")]
+    return (full or results)[0]
+
+
+def _launch_elastic(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
+    """This node's ranks under torch's elastic agent, which meets the other nodes' agents at
+    node 0's rendezvous."""
     # The agent logs every worker failure itself; our report names the root cause instead.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
@@ -284,7 +334,7 @@ def launch(spec: RunSpec) -> LaunchOutcome:
         with _private_tempdir(), watchdog.RankWatchdog(spec.output_dir, ranks, spec.deadline_s) as dog:
             results = elastic_launch(_launch_config(spec, log_root, run_id), rank_main)(spec)
     except ChildFailedError as e:
-        failure = _failure(e, spec, log_root, run_id, spec.rank_base, dog.killed)
+        failure = _failure(list(e.failures.values()), spec, log_root, run_id, spec.rank_base, dog.killed)
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except RendezvousTimeoutError as e:
         failure = RankFailure(
@@ -302,14 +352,5 @@ def launch(spec: RunSpec) -> LaunchOutcome:
         )
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except SignalException as e:  # Ctrl-C / SIGTERM: the agent has already stopped every rank
-        name = signal.Signals(e.sigval).name
-        failure = RankFailure(
-            rank=None, stage="interrupted", message=f"interrupted by {name}: every rank was stopped",
-            traceback="", exitcode=128 + int(e.sigval), log_dir=log_root,
-        )
-        return LaunchOutcome(result=None, failure=failure, log_dir=log_root, interrupted=int(e.sigval))
-    # The comparing rank (global rank 0) returns the full result; every other rank returns
-    # the verdict rank 0 broadcast, which is all a node without rank 0 reports.
-    results = [r for r in results.values() if r is not None]
-    full = [r for r in results if r.get("reporting")]
-    return LaunchOutcome(result=(full or results)[0], failure=None, log_dir=log_root)
+        return _interrupted(int(e.sigval), log_root)
+    return LaunchOutcome(result=_comparing_rank_result(results.values()), failure=None, log_dir=log_root)

@@ -21,7 +21,7 @@ from launcher.store import snapshot
 # Fields each node may set for itself: where it writes, how it reaches node 0, its cache, its
 # threads, job slot and start method, its plots.
 NODE_LOCAL = frozenset({"output_dir", "node_rank", "master_addr", "master_port", "golden_cache", "threads_per_rank",
-                        "slot", "start_method", "report_plots"})
+                        "slot", "start_method", "report_plots", "warm_ranks"})
 # Paths that may differ between nodes (each mounts its own); whether each is set must agree.
 NODE_PATHS = frozenset({"golden_data", "save_data"})
 

@@ -67,6 +67,7 @@ class RankWatchdog:
         self.poll_s = poll_s
         self.killed: dict[int, str] = {}
         self._records: dict[int, dict] = {}
+        self._finished: set[int] = set()
         self._stopped_before: set[int] = set()
         self._has_proc = os.path.isdir("/proc")
         self._stop = threading.Event()
@@ -81,6 +82,11 @@ class RankWatchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+    def finished(self, rank: int) -> None:
+        """`rank` has finished the job and waits, alive, for the next (a warm rank): it has
+        ended as far as the job is concerned."""
+        self._finished.add(rank)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -111,8 +117,8 @@ class RankWatchdog:
 
     def poll(self) -> None:
         self._read_pid_files()
-        states = {rank: self._state(rank) for rank in self._records if rank not in self.killed}
-        a_peer_ended = any(s is None for s in states.values()) or bool(self.killed)
+        states = {rank: self._state(rank) for rank in self._records if rank not in self.killed and rank not in self._finished}
+        a_peer_ended = any(s is None for s in states.values()) or bool(self.killed) or bool(self._finished)
         stopped = {rank for rank, s in states.items() if s in STOPPED}
         now = time.time()
         for rank, state in states.items():

@@ -43,7 +43,7 @@ from hydra.utils import instantiate
 
 from layers.contract.checks import PoolCheck
 from layers.contract.context import RankContext
-from layers.contract.tensors import Kind
+from layers.contract.tensors import Kind, tensor_sha256
 from layers.distributed import wire
 
 from launcher.config.faults import Fault
@@ -53,7 +53,6 @@ from launcher.config.tolerance import fails_the_run
 from launcher.run import bench, devices, faults, forkserver, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.store import golden_cache, snapshot
-from launcher.store.golden_cache import tensor_sha256
 from launcher.verify import bisect, where
 from launcher.verify.base import initial_key
 from launcher.verify.build import build_comparator
@@ -69,7 +68,7 @@ class ImplContractError(RuntimeError):
 _SIGINT_RECEIVED = threading.Event()
 
 
-def _note_sigint() -> None:
+def note_sigint() -> None:
     """Note a real SIGINT before Python's handler turns it into KeyboardInterrupt (so that one
     the implementation raises itself can be told apart). Main thread only, where handlers live."""
     previous = signal.getsignal(signal.SIGINT)
@@ -324,6 +323,8 @@ def compare(case, tolerances, layer, actual: dict, golden: dict, context: dict,
 
 
 def rank_main(spec: RunSpec):
+    """A rank in a process of its own (the elastic agent's, or an external torchrun's): join
+    the world, run the one job, leave."""
     lifeline.die_with_parent()  # a rank never outlives its parent, whatever kills the launcher
     devices.enter_job_slot(spec.slot)  # before anything counts the cores or devices
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
@@ -335,14 +336,31 @@ def rank_main(spec: RunSpec):
             ifname = devices.interface_of(devices.local_address_towards(spec.master_addr))
             if ifname:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname  # the interface that reaches node 0
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    begin_job(spec)
+    note_sigint()
+    device = join_world(spec, local_rank)
+    result = run_job(spec, device)
+    # Not in a `finally`: a failing rank must record its error before its sockets close, or a
+    # peer that sees the closed connection could be reported first.
+    dist.destroy_process_group()
+    return result
+
+
+def begin_job(spec: RunSpec) -> None:
+    """A job's first acts on its rank: tell the launcher's watchdog who it is, log as this rank,
+    and arm the job's deadline (a rank that outlives it, hung outside any collective, dumps
+    every thread's stack into its stderr log and exits, so a run can never hang forever)."""
+    rank = int(os.environ["RANK"])
     watchdog.write_pid_file(spec.output_dir, rank)
-    _note_sigint()
     _setup_logging(rank)
-    # A rank that outlives its deadline (hung outside any collective) dumps every thread's
-    # stack into its stderr log and exits, so a run can never hang forever.
     faulthandler.dump_traceback_later(spec.deadline_s, exit=True)
+
+
+def join_world(spec: RunSpec, local_rank: int) -> torch.device:
+    """What a rank process sets up once, for every job it runs: threads, backend, device and
+    the world's process group (from the RANK / WORLD_SIZE / MASTER_* environment)."""
     forkserver.set_reproducible_cpu_env()  # under an external torchrun nothing set it before
+    world = int(os.environ["WORLD_SIZE"])
     if world != spec.world:
         raise RuntimeError(f"WORLD_SIZE={world} but the config asks for {spec.world} ranks "
                            f"(dp={spec.dp} groups of {spec.case.group_size})")
@@ -351,13 +369,19 @@ def rank_main(spec: RunSpec):
     os.environ.update(devices.collective_timeout_env(backend, spec.timeout_s, os.environ))
     device = devices.setup_device(backend, local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    return device
+
+
+def run_job(spec: RunSpec, device: torch.device):
+    """One job on a rank that has joined the world (`begin_job` done): rank 0 returns the
+    run's result, the others the verdict rank 0 broadcast."""
     nodes.check_nodes_agree(spec)
-    layout = GroupLayout(spec.dp, spec.case.group_size, rank)
-    result = _run(spec, layout, tp_process_group(layout), device)
+    layout = GroupLayout(spec.dp, spec.case.group_size, int(os.environ["RANK"]))
+    group = tp_process_group(layout)
+    result = _run(spec, layout, group, device)
+    if group is not dist.group.WORLD:
+        dist.destroy_process_group(group)  # a warm rank's world outlives the job's groups
     faulthandler.cancel_dump_traceback_later()
-    # Not in a `finally`: a failing rank must record its error before its sockets close, or a
-    # peer that sees the closed connection could be reported first.
-    dist.destroy_process_group()
     return result
 
 

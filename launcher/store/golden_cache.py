@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import layers
-from layers.contract.tensors import TensorSpec
+from layers.contract.tensors import TensorSpec, tensor_sha256
 from layers.contract.case import Case
 
 # Bumped whenever the entry layout changes: older entries are then misses.
@@ -63,13 +63,6 @@ def identity(case: Case, rank: int, threads: int) -> dict:
         "torch": torch.__version__,
         "code": code_version(),
     }
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of a tensor's dtype, shape and raw bytes (bit-exact for every dtype)."""
-    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
-    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
 
 
 def _entry(root: str, ident: dict) -> Path:

@@ -8,12 +8,20 @@ final value in `out/`, compared) or a pure output (zero-initialised, saved to `o
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from .case import Case
 from .config import ModelConfig
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and raw bytes (bit-exact for every dtype)."""
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 class Kind(enum.Enum):

@@ -17,6 +17,7 @@ from layers.contract.case import Case, MoECase
 from layers.contract.config import TINY
 from layers.fixtures import csa as csa_fixture
 from layers.fixtures import draw
+from layers.fixtures.kept import forget_kept_weights
 from layers.fixtures import moe as moe_fixture
 from layers.registry import get_layer
 
@@ -147,9 +148,11 @@ def test_gen_shared_weight_is_the_whole_weight_recipe():
 def test_fixture_values_do_not_depend_on_the_block_size(layer, monkeypatch):
     case = Case(layer, TINY, 2, 16, 11)
     lay = get_layer(layer)
+    forget_kept_weights()
     ref, (ref_a, ref_b) = lay.rank_inputs_and_full_o(case, 1)
     monkeypatch.setattr(draw, "BLOCK_VALUES", 256)
     monkeypatch.setattr(numerics, "_QUANT_BLOCK_VALUES", 256)
+    forget_kept_weights()  # drawn again, in the small blocks
     small, (a, b) = lay.rank_inputs_and_full_o(case, 1)
     assert list(small) == list(ref)
     assert [n for n in ref if not _same_bits(small[n], ref[n])] == []
