@@ -40,13 +40,11 @@ from launcher.report.result import (
     launcher_error,
     not_launched,
 )
-from launcher.report.run_page import pages_written, write_result_and_page
+from launcher.report.run_page import write_result_and_page
 from launcher.run import devices, rank_group, slots
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
 
-
-_pages_awaited = False  # `main` waits for the pages drawn on the page writer's thread
 
 # Written to the run's launcher.log only (Hydra's job logging; the console shows warnings).
 log = logging.getLogger("launcher")
@@ -101,9 +99,7 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
                           wall_s=time.perf_counter() - t0)
     if spec.report_plots:
         result["plots"] = plots.write_plots(result, output_dir)
-    # The page is drawn while the next job runs where `main` waits for it before the process ends
-    # (not in a job process of a parallel Hydra launcher, which ends when its job does).
-    write_result_and_page(output_dir, result, job, page_later=_pages_awaited)
+    write_result_and_page(output_dir, result, job)
     report = console.render(result)
     log.info("report:\n%s", report)
     log.info("exit status %d", exit_code(result))
@@ -192,9 +188,7 @@ def one_line(hydra_message: str) -> str:
 
 def main() -> None:
     """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
-    global _pages_awaited
     sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
-    _pages_awaited = True
     if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
         sys.exit(_print_sweep_configs(sys.argv[1:]))
     progress.hold_stderr_while_composing()
@@ -208,7 +202,6 @@ def main() -> None:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         code = EXIT_ERROR
     rank_group.POOL.close()  # the warm ranks a sweep's last jobs left
-    pages_written()
     held = progress.composition_error()
     if held is not None and code:
         print(f"error: {one_line(held)}", file=sys.stderr)

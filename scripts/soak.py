@@ -47,9 +47,11 @@ def _rss_mb() -> float:
 
 
 def _descendants() -> int:
-    """Live processes below this launcher (ranks included: the forkserver forks them), less the
-    forkserver and the resource tracker themselves (kept warm on purpose)."""
-    parent, warm = {}, set()
+    """Live processes below this launcher (ranks included: the forkserver forks them, and the
+    warm ranks a passing job leaves), less the forkserver and the resource tracker themselves
+    (its direct children, kept warm on purpose; a rank forked by the server has its command
+    line too)."""
+    parent, warm, me = {}, set(), os.getpid()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
@@ -59,9 +61,8 @@ def _descendants() -> int:
         if fields[0] != "Z":
             pid = int(stat.parent.name)
             parent[pid] = int(fields[1])
-            if b"forkserver import main" in cmd or b"resource_tracker import main" in cmd:
+            if (b"forkserver import main" in cmd or b"resource_tracker import main" in cmd) and parent[pid] == me:
                 warm.add(pid)
-    me = os.getpid()
 
     def below_me(pid: int) -> bool:
         while pid in parent:

@@ -116,11 +116,7 @@ def figure(draw: Callable[[], object] | bytes, alt: str, caption: str = "") -> R
     if not isinstance(draw, bytes) and not plots.available():
         return Raw("")  # the page says once, at its top, how to get the figures
     try:
-        if isinstance(draw, bytes):
-            data = draw
-        else:
-            with plots.DRAWING:
-                data = plots.png(draw())
+        data = draw if isinstance(draw, bytes) else plots.png(draw())
     except Exception as e:  # a figure is never worth a page: say what failed, keep the rest
         return note(f"figure not drawn ({alt}): {type(e).__name__}: {e}")
     cap = f"<figcaption>{esc(caption)}</figcaption>" if caption else ""

@@ -44,11 +44,6 @@ def available() -> bool:
         return False
 
 
-# One figure drawn at a time in this process: the page writer's thread and the main thread
-# (report.plots, the sweep page) both draw.
-DRAWING = threading.Lock()
-
-
 def preload_in_background() -> None:
     """Import matplotlib on a thread while the ranks run: the launcher only waits for them then,
     and its page's figures would otherwise add the import (0.5 s and more) to every run."""
@@ -189,10 +184,8 @@ def write_plots(result: dict, output_dir: str) -> list[str]:
     paths = []
     for tag, v, g in grids:
         path = os.path.join(output_dir, heatmap_file(tag, v["tensor"], g))
-        with DRAWING:
-            data = png(heatmap(v["tensor"], g))
         with open(path, "wb") as f:
-            f.write(data)
+            f.write(png(heatmap(v["tensor"], g)))
         paths.append(path)
     return paths
 

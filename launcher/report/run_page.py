@@ -9,9 +9,7 @@ benchmark's figures, a histogram of its rounds and each stage's share (`result["
 links to each rank's logs. An error, a refused config, a skipped job and a performance-only
 run (UNCHECKED) get a page too, saying what happened and where the logs are.
 
-`write_result_and_page` is what the entry points call: result.json, then this page (in a
-sweep on a thread of its own, `page_later`, while the next job runs; `pages_written` waits
-for it).
+`write_result_and_page` is what the entry points call: result.json, then this page.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import glob
 import os
 import re
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.tolerance import fails_the_run
@@ -47,30 +44,12 @@ from launcher.report.result import verdict, write_result
 PAGE = "report.html"
 
 
-_page_writer: ThreadPoolExecutor | None = None
-_pending: list[Future] = []
-
-
-def write_result_and_page(output_dir: str, result: dict, job: dict | None = None, page_later: bool = False) -> dict:
+def write_result_and_page(output_dir: str, result: dict, job: dict | None = None) -> dict:
     """result.json (`launcher.report.result.write_result`) and report.html beside it: what every
-    run leaves, whatever its outcome. Returns the result as written. `page_later`: the page is
-    drawn on the page writer's thread (its figures take a few tenths of a second) and this
-    returns once result.json, which holds the verdict, is written."""
-    global _page_writer
+    run leaves, whatever its outcome. Returns the result as written."""
     written = write_result(output_dir, result, job)
-    if not page_later:
-        write_page(output_dir, written)
-        return written
-    if _page_writer is None:
-        _page_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="page-writer")
-    _pending.append(_page_writer.submit(write_page, output_dir, written))
+    write_page(output_dir, written)
     return written
-
-
-def pages_written() -> None:
-    """Wait until every page left to the page writer is on disk."""
-    while _pending:
-        _pending.pop(0).result()
 
 
 def write_page(output_dir: str, result: dict) -> str | None:

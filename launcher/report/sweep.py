@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.config.slurm import node_output_dir
 from launcher.config.tolerance import fails_the_run
-from launcher.report import progress, run_page
+from launcher.report import progress
 from launcher.report.console import case_columns, comparator_text, fmt, starts_text, table_lines
 from launcher.report.result import (
     EXIT_ERROR,
@@ -416,7 +416,6 @@ class SweepSummary(Callback):
         sweep.current = None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        run_page.pages_written()  # every job's page is there before the sweep's links to it
         SweepSummary.exit_status = write_summary(str(config.hydra.sweep.dir))
         SweepSummary.unfinished_sweep = None
         progress.SWEEP = None
