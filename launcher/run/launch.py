@@ -286,7 +286,7 @@ def launch(spec: RunSpec) -> LaunchOutcome:
 def _launch_here(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
     """Every rank on this node, in the launcher's own rank processes (`rank_group`): warm ones
     a job of the same shape left, or new ones. The group is kept only when every rank
-    finished and the run did not fail."""
+    finished and the run did not fail (and not by a parallel sweep's job on accelerators)."""
     group = rank_group.POOL.take(spec)
     try:
         with watchdog.RankWatchdog(spec.output_dir, range(spec.world), spec.deadline_s) as dog:
@@ -297,7 +297,9 @@ def _launch_here(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
         failure = _failure(failures, spec, log_root, run_id, 0, dog.killed)
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     result = _comparing_rank_result(results.values())
-    if spec.warm_ranks and result.get("passed") is not False:
+    # A job slot's devices go to another job process next: its ranks may not keep them.
+    shares_devices = spec.slot is not None and rank_group.holds_devices(spec)
+    if spec.warm_ranks and result.get("passed") is not False and not shares_devices:
         rank_group.POOL.keep(group)
     else:
         group.close()

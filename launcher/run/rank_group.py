@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from launcher.config.spec import RunSpec
-from launcher.run import rank_server
+from launcher.run import devices, rank_server
 
 KEEP_GROUPS = 4  # warm groups kept at once (least recently used first out)
 _POLL_S = 0.05
@@ -52,6 +52,11 @@ class Interrupted(Exception):
 def group_key(spec: RunSpec) -> tuple:
     """What a rank process is started or set up with: jobs that agree on it can share one."""
     return (spec.world, spec.start_method, spec.backend, spec.timeout_s, spec.threads(), spec.slot)
+
+
+def holds_devices(spec: RunSpec) -> bool:
+    """Whether the ranks hold accelerators (a warm rank keeps its device context)."""
+    return devices.resolve_backend(spec.backend) != "gloo"
 
 
 def rank_log_dir(log_root: str, run_id: str, local_rank: int) -> str:
@@ -198,7 +203,8 @@ def _tee_rank0(log_dir: str):
 
 
 class GroupPool:
-    """Warm groups by key, the least recently used stopped beyond `KEEP_GROUPS`."""
+    """Warm groups by key, the least recently used stopped beyond `KEEP_GROUPS`. On
+    accelerators a node holds one group at a time: no two processes share a device."""
 
     def __init__(self):
         self._groups: OrderedDict[tuple, RankGroup] = OrderedDict()
@@ -209,6 +215,8 @@ class GroupPool:
         if group is not None and not group.alive():  # a rank ended while idle (killed, OOM)
             group.stop()
             group = None
+        if holds_devices(spec):
+            self.close()
         return group if group is not None else RankGroup(spec)
 
     def keep(self, group: RankGroup) -> None:

@@ -1,0 +1,59 @@
+"""The launcher's own rank processes (`launcher.run.rank_group`): which warm group a job gets."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import pytest
+
+import launcher.cli  # noqa: F401  (registers the config schemas)
+from launcher.config.spec import run_spec
+from launcher.run import forkserver
+from launcher.run.rank_group import GroupPool
+
+from ..conftest import compose_config
+
+
+def _spec(tmp_path, *overrides: str):
+    return run_spec(compose_config("layer=swa", "model=tiny", *overrides), str(tmp_path / "out"))
+
+
+@pytest.fixture
+def pool():
+    forkserver.start()
+    groups = GroupPool()
+    yield groups
+    groups.close()
+
+
+def test_a_job_gets_the_warm_group_of_its_shape_and_no_other(tmp_path, pool):
+    one, two = pool.take(_spec(tmp_path, "tp=1")), pool.take(_spec(tmp_path, "tp=2"))
+    pool.keep(one)
+    pool.keep(two)
+    assert pool.take(_spec(tmp_path, "tp=2")) is two
+    assert pool.take(_spec(tmp_path, "tp=2", "timeout_s=30")) is not one  # another timeout: new processes
+    pool.keep(two)
+    assert pool.take(_spec(tmp_path, "tp=1")) is one
+
+
+def test_a_group_whose_rank_died_while_idle_is_not_handed_out(tmp_path, pool):
+    spec = _spec(tmp_path, "tp=2")
+    group = pool.take(spec)
+    pool.keep(group)
+    os.kill(group.procs[1].pid, signal.SIGKILL)
+    group.procs[1].join()
+    fresh = pool.take(spec)
+    assert fresh is not group and fresh.alive() and not any(p.is_alive() for p in group.procs)
+    fresh.stop()
+
+
+def test_on_accelerators_a_node_holds_one_group_at_a_time(tmp_path, pool):
+    kept = [pool.take(_spec(tmp_path, f"tp={tp}")) for tp in (1, 2)]
+    for group in kept:
+        pool.keep(group)
+    # Only started, never given a job: nothing touches a device on this CPU-only machine.
+    taken = pool.take(dataclasses.replace(_spec(tmp_path, "tp=2"), backend="nccl"))
+    assert not any(p.is_alive() for group in kept for p in group.procs)
+    taken.stop()
