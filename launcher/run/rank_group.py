@@ -91,8 +91,9 @@ class RankGroup:
     def run(self, spec: RunSpec, run_id: str, log_root: str, on_rank_done=None):
         """Run `spec` on every rank: `(results, failures)`, the ranks' return values by local
         rank when all finished, else the ranks that had died when the first death was seen,
-        as `ProcessFailure`s (every other rank is stopped then). `on_rank_done(rank)`: told as each rank returns. Raises
-        `Interrupted` on SIGINT or SIGTERM, after stopping every rank."""
+        as `ProcessFailure`s (every other rank is stopped then). `on_rank_done(rank)`: told
+        as each rank returns. Raises `Interrupted` on SIGINT or SIGTERM, after stopping every
+        rank."""
         self.jobs_run += 1
         logs = [rank_log_dir(log_root, run_id, r) for r in range(self.world)]
         for d in logs:
@@ -102,7 +103,10 @@ class RankGroup:
             stack.enter_context(_tee_rank0(logs[0]))
             try:
                 for conn, log_dir in zip(self.conns, logs):
-                    conn.send((spec, log_dir))
+                    try:
+                        conn.send((spec, log_dir))
+                    except OSError:  # the rank has just died: `_wait` reports how
+                        pass
                 return self._wait(logs, on_rank_done)
             except Interrupted:
                 self.stop()
@@ -117,15 +121,15 @@ class RankGroup:
             for item in ready:
                 if item in waiting:
                     rank = waiting[item]
+                    del waiting[item]
                     try:
                         results[rank] = item.recv()
                     except (EOFError, OSError):  # it died: its sentinel says how
-                        del waiting[item]
                         continue
-                    del waiting[item]
+                    del sentinels[self.procs[rank].sentinel]  # done with this job, whatever it does next
                     if on_rank_done is not None:
                         on_rank_done(rank)
-            dead = [sentinels[s] for s in ready if s in sentinels and sentinels[s] not in results]
+            dead = [sentinels[s] for s in ready if s in sentinels]
             if dead:  # every rank that ended by itself so far; the others are stopped
                 failures = []
                 for rank in dead:
@@ -187,7 +191,7 @@ def _interrupts_raise():
         yield
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)
+            signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: not set from Python
 
 
 @contextmanager
