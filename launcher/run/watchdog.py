@@ -2,14 +2,15 @@
 
 A rank's own deadline (`faulthandler`, 2 x timeout_s) is a thread of that rank: a rank stopped
 by SIGSTOP (a debugger, a frozen cgroup) is frozen with it, and at tp=1 no peer times out
-either, so the launcher would wait forever. With peers, they time out, and the elastic agent
-asks every rank to stop with SIGTERM, which a stopped rank cannot handle: the agent then waits
-30 s more before its SIGKILL.
+either, so the launcher would wait forever. With peers, they time out, and every other rank is
+asked to stop with SIGTERM, which a stopped rank cannot handle (across nodes the elastic agent
+then waits 30 s more before its SIGKILL).
 
 Each rank writes its pid file as it starts (`write_pid_file`); `RankWatchdog` reads them from a
 thread of the launcher while the ranks run, and
 * kills a rank that is stopped (process state T or t, in two polls running) once a peer has
-  ended: it can never finish, and its peers' failure is its doing;
+  ended (or finished the job, `finished`: a warm rank stays alive): it can never finish, and
+  its peers' failure is its doing;
 * kills every rank still there at the launcher's deadline: a rank's own deadline plus a grace
   that lets a rank's own stack dump (more telling) come first.
 Each kill is recorded in `killed` (rank -> why) for the failure report. Process states come
