@@ -92,7 +92,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
     log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, %s, output %s",
              label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(),
              spec.slot.describe() if spec.slot else "the whole node", output_dir)
-    plots.preload_in_background()
+    if spec.bench:
+        plots.preload_in_background()
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
     result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,

@@ -4,8 +4,9 @@ figures embedded as data URIs.
 A page is one self-contained file: the style inline, every image a `data:` URI, no font,
 script or stylesheet from anywhere else, so it reads the same offline, from a CI artifact or
 an e-mail attachment; the only script is the sweep table's filter, inline. Figures come from
-`launcher.report.plots`; a figure that cannot be drawn (matplotlib absent, or it raised) leaves
-a note in its place and the rest of the page stands.
+`launcher.report.svg` (those on every page) and `launcher.report.plots` (matplotlib: heat
+maps, benchmarks); a figure that cannot be drawn (matplotlib absent, or it raised) leaves a
+note in its place and the rest of the page stands.
 """
 
 from __future__ import annotations
@@ -105,30 +106,40 @@ def note(text: str) -> Raw:
     return Raw(f'<div class="note">{esc(text)}</div>')
 
 
-def png_img(data: bytes, alt: str) -> Raw:
+def _img(mime: str, data: bytes, alt: str) -> str:
     encoded = base64.b64encode(data).decode("ascii")
-    return Raw(f'<img alt="{esc(alt)}" src="data:image/png;base64,{encoded}">')
+    return f'<img alt="{esc(alt)}" src="data:{mime};base64,{encoded}">'
 
 
-def figure(draw: Callable[[], object] | bytes, alt: str, caption: str = "") -> Raw:
-    """A figure: `draw()` returns a matplotlib Figure (or the PNG bytes are given), embedded as a
-    data URI; where it cannot be drawn, a note says why and the page goes on."""
-    if not isinstance(draw, bytes) and not plots.available():
-        return Raw("")  # the page says once, at its top, how to get the figures
+def _figure(image: Callable[[], tuple[str, bytes]], alt: str, caption: str) -> Raw:
     try:
-        data = draw if isinstance(draw, bytes) else plots.png(draw())
+        mime, data = image()
     except Exception as e:  # a figure is never worth a page: say what failed, keep the rest
         return note(f"figure not drawn ({alt}): {type(e).__name__}: {e}")
     cap = f"<figcaption>{esc(caption)}</figcaption>" if caption else ""
-    return Raw(f"<figure>{png_img(data, alt)}{cap}</figure>")
+    return Raw(f"<figure>{_img(mime, data, alt)}{cap}</figure>")
+
+
+def figure(draw: Callable[[], object] | bytes, alt: str, caption: str = "") -> Raw:
+    """A matplotlib figure: `draw()` returns a Figure (or the PNG bytes are given), embedded as
+    a data URI; without matplotlib, nothing (the page says once, at its top, how to get it)."""
+    if not isinstance(draw, bytes) and not plots.available():
+        return Raw("")
+    return _figure(lambda: ("image/png", draw if isinstance(draw, bytes) else plots.png(draw())), alt, caption)
+
+
+def svg_figure(draw: Callable[[], str], alt: str, caption: str = "") -> Raw:
+    """An SVG figure (`launcher.report.svg`): `draw()` returns the SVG text, embedded as a data URI."""
+    return _figure(lambda: ("image/svg+xml", draw().encode("utf-8")), alt, caption)
 
 
 def plots_note() -> Raw:
-    """Where matplotlib is absent: the page has tables only, and says how to get the figures."""
+    """Where matplotlib is absent: the heat maps and benchmark charts are tables only, and the
+    page says how to get them."""
     if plots.available():
         return Raw("")
-    return note(f"Figures are not shown: matplotlib is not installed. Tables only; for heat maps and charts: "
-                f"{plots.INSTALL_HINT}, then run again.")
+    return note(f"Heat maps and benchmark charts are not shown: matplotlib is not installed. Their tables are; "
+                f"for the figures: {plots.INSTALL_HINT}, then run again.")
 
 
 def relative(path: str, start: str) -> str:

@@ -1,6 +1,6 @@
-"""The report's figures, drawn with matplotlib: error grids as heat maps, per-rank stage times,
-a benchmark's rounds and stages, a sweep's jobs x tensors map; and the PNG files of
-`report.plots=true`.
+"""The report's figures drawn with matplotlib: a failing tensor's error grids as heat maps, a
+benchmark's rounds and stages; and the PNG files of `report.plots=true`. (The figures every
+page has, stage times and a sweep's map, are SVG written by `launcher.report.svg`.)
 
 Every figure is built from the result dicts alone (result.json, summary.json rows), as a
 `matplotlib.figure.Figure` on the Agg canvas: no pyplot, so no GUI backend, no global figure
@@ -8,9 +8,9 @@ state, nothing left open. `png(fig)` turns one into PNG bytes (the HTML pages em
 PNG files are the same bytes).
 
 matplotlib is optional (the `plots` extra): it is imported on first use, not at import time,
-so a run that draws nothing never pays for it, and `available()` says whether it is there.
-Without it the pages are written with tables only (`launcher.report.page`), and
-`report.plots=true` writes no PNG and says why.
+so a passing run never pays for it, and `available()` says whether it is there. Without it
+the pages show these figures' tables only (`launcher.report.page`), and `report.plots=true`
+writes no PNG and says why.
 """
 
 from __future__ import annotations
@@ -19,20 +19,17 @@ import functools
 import importlib
 import importlib.util
 import io
-import math
 import os
 import re
 import sys
 import threading
 from collections.abc import Sequence
 
-from launcher.config.rank_stages import RANK_STAGES
+from launcher.report.svg import EMPTY, tick_positions
 
 INSTALL_HINT = "pip install 'dsv4-tp-harness[plots]' (or pip install matplotlib)"
 DPI = 100
-EMPTY = "#e6e6e6"  # a cell without a bad point / a tensor a job did not compare
 WORST = "#0a84ff"  # the outline and star of a heat map's worst cell (no red or yellow: it must stand out)
-BITWISE = "#d9f0d3"  # a sweep map's cell whose tensor was bitwise equal to the reference
 
 
 @functools.cache
@@ -45,8 +42,8 @@ def available() -> bool:
 
 
 def preload_in_background() -> None:
-    """Import matplotlib on a thread while the ranks run: the launcher only waits for them then,
-    and its page's figures would otherwise add the import (0.5 s and more) to every run."""
+    """Import matplotlib on a thread while a benchmark's ranks run (its page draws the rounds'
+    figures): the launcher only waits for them then, and the import takes 0.5 s and more."""
     if available():
         threading.Thread(target=_preload, name="matplotlib-preload", daemon=True).start()
 
@@ -88,14 +85,6 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
 
 
-def _tick_positions(n: int, most: int) -> list[int]:
-    """Up to `most` evenly spread positions of n columns, the first and the last included."""
-    if n <= most:
-        return list(range(n))
-    step = math.ceil((n - 1) / (most - 1))
-    return sorted(set(range(0, n, step)) | {n - 1})
-
-
 # -- where a failing tensor's errors are -------------------------------------------------------
 
 
@@ -125,9 +114,9 @@ def heatmap(tensor: str, grid: dict):
                    norm=colors.PowerNorm(0.5, vmin=0, vmax=max(bad.max(), 1)))
     ax.add_patch(_rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor=WORST, linewidth=3, label="worst cell"))
     ax.plot([c], [r], marker="*", markersize=15, color=WORST, markeredgecolor="white", linestyle="none")
-    ys = _tick_positions(ranks, 32)
+    ys = tick_positions(ranks, 32)
     ax.set_yticks(ys, [str(i) for i in ys])
-    xs = _tick_positions(cols, 24)
+    xs = tick_positions(cols, 24)
     labels = grid["col_labels"]
     wide = max(len(labels[i]) for i in xs) > 3  # "8-15": slanted, so that neighbours never overlap
     ax.set_xticks(xs, [labels[i] for i in xs], rotation=45 if wide else 0, ha="right" if wide else "center")
@@ -190,31 +179,7 @@ def write_plots(result: dict, output_dir: str) -> list[str]:
     return paths
 
 
-# -- where the time goes -----------------------------------------------------------------------
-
-
-def stage_times(rank_seconds: Sequence[dict | None]):
-    """Each rank's stage times as one horizontal bar of stacked stages (rank 0 on top), the
-    stages in the order a rank runs them."""
-    stages = [s for s in RANK_STAGES if any(s in (r or {}) for r in rank_seconds)]
-    ranks = len(rank_seconds)
-    fig = figure(9.0, min(10.0, max(1.4 + 0.3 * ranks, 0.9 + 0.22 * len(stages))))
-    ax = fig.add_subplot()
-    left = [0.0] * ranks
-    palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#9d755d")
-    for i, stage in enumerate(stages):
-        widths = [(r or {}).get(stage, 0.0) for r in rank_seconds]
-        ax.barh(range(ranks), widths, left=left, height=0.7, label=stage, color=palette[i % len(palette)])
-        left = [a + b for a, b in zip(left, widths)]
-    ax.set_yticks(_tick_positions(ranks, 32))
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds (stages of one rank, end to end)")
-    ax.set_ylabel("rank")
-    ax.set_title("stage times per rank", fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)  # beside: never on the axis
-    ax.grid(axis="x", color="#dddddd")
-    ax.set_axisbelow(True)
-    return fig
+# -- a benchmark ----------------------------------------------------------------------------
 
 
 def round_times(bench: dict) -> list[float]:
@@ -257,49 +222,4 @@ def bench_stages(stages: Sequence[dict]):
     ax.set_title("time per stage (orange: collectives, blue: compute)", fontsize=10)
     ax.grid(axis="x", color="#dddddd")
     ax.set_axisbelow(True)
-    return fig
-
-
-# -- a sweep -----------------------------------------------------------------------------------
-
-
-def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence[Sequence[float | None]],
-              failed: Sequence[Sequence[bool]]):
-    """Jobs (rows) x tensors (columns): each compared tensor's max |diff| on a log colour
-    scale; pale green where it was bitwise equal, grey where the job compared no such tensor (or
-    compared nothing: an error); a cross on each failing tensor."""
-    import numpy as np
-
-    _, colors = _mpl()
-    n_jobs, n_tensors = len(job_labels), len(tensors)
-    values = np.array([[np.nan if d is None else d for d in row] for row in diffs], dtype=float).reshape(n_jobs, n_tensors)
-    positive = values[np.isfinite(values) & (values > 0)]
-    lo = positive.min() if positive.size else 1e-6
-    hi = positive.max() if positive.size else 1.0
-    if hi < lo * 10:  # at least a decade, centred on the values: a lone value is coloured mid-scale
-        mid = math.sqrt(lo * hi)
-        lo, hi = mid / math.sqrt(10), mid * math.sqrt(10)
-    cmap = colors.LinearSegmentedColormap.from_list("diff", ["#fff7bc", "#fec44f", "#d95f0e", "#7f0000"])
-    fig = figure(min(14.0, max(6.0, 3.5 + 0.7 * n_tensors)), min(40.0, 1.8 + 0.28 * n_jobs))
-    ax = fig.add_subplot()
-    ax.set_facecolor(EMPTY)
-    zero = np.where(values == 0, 1.0, np.nan)
-    ax.imshow(zero, cmap=colors.ListedColormap([BITWISE]), aspect="auto", interpolation="nearest")
-    im = ax.imshow(np.ma.masked_invalid(np.where(values > 0, values, np.nan)), cmap=cmap, aspect="auto",
-                   interpolation="nearest", norm=colors.LogNorm(vmin=lo, vmax=hi))
-    for j in range(n_jobs):
-        for t in range(n_tensors):
-            if failed[j][t]:
-                ax.text(t, j, "\u2716", ha="center", va="center", color="black", fontsize=9)
-    ax.set_xticks(range(n_tensors), tensors, rotation=30 if n_tensors > 4 else 0, ha="right" if n_tensors > 4 else "center")
-    ys = _tick_positions(n_jobs, 80)
-    ax.set_yticks(ys, [job_labels[i] for i in ys], fontsize=8)
-    ax.set_xticks([x - 0.5 for x in range(1, n_tensors)], minor=True)
-    ax.set_yticks([y - 0.5 for y in range(1, n_jobs)], minor=True)
-    ax.grid(which="minor", color="white", linewidth=1)
-    ax.tick_params(which="minor", length=0)
-    ax.set_xlabel("tensor")
-    ax.set_ylabel("job")
-    ax.set_title("max |diff| per job and tensor\n\u2716 failed; green: bitwise equal; grey: not compared", fontsize=10)
-    fig.colorbar(im, ax=ax, label="max |diff|", pad=0.01)
     return fig

@@ -21,7 +21,7 @@ import sys
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.tolerance import fails_the_run
-from launcher.report import plots
+from launcher.report import plots, svg
 from launcher.report.console import (
     case_items, comparator_text, fmt, group_text, reference_line, starts_text, where_lines,
 )
@@ -36,6 +36,7 @@ from launcher.report.page import (
     plots_note,
     pre,
     relative,
+    svg_figure,
     table,
     write,
 )
@@ -253,7 +254,7 @@ def _stage_times(result: dict) -> list[str]:
                      fmt(rss[rank]) if rank < len(rss) else "-"])
     head = ["rank", *stages, "total", "peak RSS MiB"]
     return ["<h2>stage times per rank</h2>",
-            figure(lambda: plots.stage_times(secs), "stage times per rank",
+            svg_figure(lambda: svg.stage_times(secs), "stage times per rank",
                    "seconds each rank spent in each of its stages (rank 0 alone compares)"),
             table(head, rows, numeric=range(1, len(head)), attrs='id="stage-times"')]
 

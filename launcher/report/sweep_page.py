@@ -15,9 +15,9 @@ import json
 import os
 import sys
 
-from launcher.report import plots
+from launcher.report import svg
 from launcher.report.console import case_columns, fmt, starts_text
-from launcher.report.page import Raw, badge, document, esc, figure, link, plots_note, relative, table, write
+from launcher.report.page import Raw, badge, document, esc, link, relative, svg_figure, table, write
 from launcher.report.run_page import PAGE
 
 
@@ -74,8 +74,7 @@ def render(summary: dict, sweep_dir: str) -> str:
     counts = "".join(f"<span>{badge(v, big=False)} {summary.get(k, 0)} {k}</span>" for k, v in kinds)
     body = [f"<h1>{badge(word)}<span>sweep {esc(name)}</span></h1>",
             f'<div class="case">{esc(os.path.abspath(sweep_dir))} · {summary["n_jobs"]} jobs</div>',
-            f'<p class="counts" id="counts">{counts}</p>',
-            plots_note()]
+            f'<p class="counts" id="counts">{counts}</p>']
     if summary.get("interrupted"):
         body.append('<div class="note">The sweep was interrupted: the jobs it never ran are skips.</div>')
     body += ["<h2>jobs</h2>", _filters(rows), _jobs_table(rows, sweep_dir)]
@@ -175,10 +174,9 @@ def _map(rows: list[dict]) -> list[str]:
               for r in rows]
     text_rows = [[label, *("-" if d is None else (f"{fmt(d)} FAIL" if f else fmt(d)) for d, f in zip(ds, fs))]
                  for label, ds, fs in zip(labels, diffs, failed)]
-    opened = "" if plots.available() else " open"
     return ["<h2>worst errors: jobs x tensors</h2>",
-            figure(lambda: plots.sweep_map(labels, tensors, diffs, failed), "jobs x tensors map of max |diff|",
-                   "each compared tensor's max |diff| per job"),
-            f"<details{opened}><summary>the same, as a table</summary>"
+            svg_figure(lambda: svg.sweep_map(labels, tensors, diffs, failed), "jobs x tensors map of max |diff|",
+                       "each compared tensor's max |diff| per job"),
+            "<details><summary>the same, as a table</summary>"
             + table(["job", *tensors], text_rows, numeric=range(1, len(tensors) + 1), attrs='id="map"')
             + "</details>"]

@@ -54,18 +54,27 @@ def _check(driver, path, *, verdict: str, texts: list[str], min_images: int, sho
     return page
 
 
-def _figures(n: int) -> int:
-    return n if plots.available() else 0
+def _images(matplotlib: int, svg: int = 1) -> int:
+    """How many images a page has: its SVG figures, and matplotlib's where it is installed."""
+    return svg + (matplotlib if plots.available() else 0)
+
+
+# The figures the harness writes as SVG, on every page; the others need matplotlib.
+SVG_FIGURES = ("stage times per rank", "jobs x tensors map of max |diff|")
+
+
+def _alts(page: browser.Page, expected: list[str]) -> None:
+    """The page's images in order: `expected`, less matplotlib's where it is not installed."""
+    assert [i["alt"] for i in page.images] == [a for a in expected if a in SVG_FIGURES or plots.available()]
 
 
 def test_a_passing_run_page(tp_run, driver, tmp_path):
     run = tp_run(layer="swa", tp=2, model="tiny")
     assert run.passed, run
-    page = _check(driver, Path(run.output_dir) / "report.html", verdict="PASS", min_images=_figures(1),
+    page = _check(driver, Path(run.output_dir) / "report.html", verdict="PASS", min_images=_images(0),
                   texts=["x_out", "kv_cache", "2 tensors compared, all passed", "stage times per rank", "rank 1"],
                   shot=tmp_path / "pass.png")
-    if plots.available():
-        assert [i["alt"] for i in page.images] == ["stage times per rank"]
+    _alts(page, ["stage times per rank"])
     # Each rank's logs are linked; a link opens the log itself.
     logs = [ln for ln in page.links if ln["raw"].startswith("logs/")]
     assert {ln["raw"].split("/")[-2] for ln in logs} == {"0", "1"}
@@ -81,12 +90,10 @@ def test_a_passing_run_page(tp_run, driver, tmp_path):
 def test_a_failing_run_page(tp_run, driver, tmp_path):
     run = tp_run(layer="swa", tp=2, model="tiny", impl=defects.PerturbRankTokens)
     assert run.exit_code == 1, run
-    page = _check(driver, Path(run.output_dir) / "report.html", verdict="FAIL", min_images=_figures(3),
+    page = _check(driver, Path(run.output_dir) / "report.html", verdict="FAIL", min_images=_images(2),
                   texts=["x_out", "kv_cache", "failed: x_out", "ratio_reldiff fail", "rank x token block"],
                   shot=tmp_path / "fail.png")
-    if plots.available():
-        assert [i["alt"] for i in page.images] == ["x_out rank x token block heat map", "x_out rank x hc heat map",
-                                                   "stage times per rank"]
+    _alts(page, ["x_out rank x token block heat map", "x_out rank x hc heat map", "stage times per rank"])
     rows = driver.execute_script(
         "return Array.from(document.querySelectorAll('tr.tensor')).map(r => [r.dataset.tensor, r.dataset.verdict])")
     assert rows == [["kv_cache", "PASS"], ["x_out", "FAIL"]]
@@ -103,15 +110,13 @@ def test_moe_run_pages(tp_run, driver, tmp_path):
     failed = tp_run(layer="moe", ep=2, model="tiny", impl=defects.MoeRoutesToTheWrongRank)
     assert (passed.exit_code, failed.exit_code) == (0, 1), (passed, failed)
     case = ["moe full · tiny · ep=2", "layer_id=0", "balanced_routing=False"]
-    _check(driver, Path(passed.output_dir) / "report.html", verdict="PASS", min_images=_figures(1),
+    _check(driver, Path(passed.output_dir) / "report.html", verdict="PASS", min_images=_images(0),
            texts=[*case, "x_next", "1 tensors compared, all passed", "stage times per rank"], shot=tmp_path / "moe.png")
-    page = _check(driver, Path(failed.output_dir) / "report.html", verdict="FAIL", min_images=_figures(3),
+    page = _check(driver, Path(failed.output_dir) / "report.html", verdict="FAIL", min_images=_images(2),
                   texts=[*case, "MoeRoutesToTheWrongRank", "failed: x_next", "ratio_reldiff fail",
                          "rank x token block", "rank x hc"], shot=tmp_path / "moe-fail.png")
     assert "tp=" not in page.text
-    if plots.available():
-        assert [i["alt"] for i in page.images] == ["x_next rank x token block heat map", "x_next rank x hc heat map",
-                                                   "stage times per rank"]
+    _alts(page, ["x_next rank x token block heat map", "x_next rank x hc heat map", "stage times per rank"])
     ranks = driver.execute_script("return Array.from(document.querySelectorAll('#primary-verdicts tr'))"
                                   ".map(r => Array.from(r.cells).slice(0, 3).map(c => c.innerText))")
     assert ranks[1:] == [["x_next", "all", "FAIL"], ["", "0", "bad"], ["", "1", "bad"]]
@@ -140,10 +145,9 @@ def test_a_sweep_page_and_its_links(driver, tmp_path):
                        timeout=300)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "summary.json, junit.xml and report.html in" in p.stdout
-    page = _check(driver, sweep_dir / "report.html", verdict="FAIL", min_images=_figures(1),
+    page = _check(driver, sweep_dir / "report.html", verdict="FAIL", min_images=_images(0),
                   texts=["1 passed", "1 failed", "0 errors", "x_out", "2 of 2 jobs shown"], shot=tmp_path / "sweep.png")
-    if plots.available():
-        assert [i["alt"] for i in page.images] == ["jobs x tensors map of max |diff|"]
+    _alts(page, ["jobs x tensors map of max |diff|"])
 
     def shown():
         return driver.execute_script(
@@ -166,7 +170,7 @@ def test_a_sweep_page_and_its_links(driver, tmp_path):
     job = browser.read(driver)
     assert job.url.endswith("/sweep/0/report.html")
     assert browser.page_problems(job, verdict="FAIL", texts=["x_out", "sweep job 0", "PerturbRankTokens"],
-                                 min_images=_figures(3)) == []
+                                 min_images=_images(2)) == []
     summary = json.loads((sweep_dir / "summary.json").read_text())
     assert [j["verdict"] for j in summary["jobs"]] == ["FAIL", "PASS"]
 
@@ -176,12 +180,10 @@ def test_a_benchmark_page(tp_run, driver, tmp_path):
     where a round's time goes."""
     run = tp_run(layer="swa", tp=2, model="tiny", overrides=["bench.rounds=6", "bench.warmup=1", "bench.stages=true"])
     assert run.passed, run
-    page = _check(driver, Path(run.output_dir) / "report.html", verdict="PASS", min_images=_figures(3),
+    page = _check(driver, Path(run.output_dir) / "report.html", verdict="PASS", min_images=_images(2),
                   texts=["benchmark", "6 timed rounds after 1 warm-up round;", "where a round's time goes",
                          "group_all_to_all", "collective"], shot=tmp_path / "bench.png")
-    if plots.available():
-        assert [i["alt"] for i in page.images] == ["stage times per rank", "histogram of the benchmark rounds",
-                                                   "benchmark time per stage"]
+    _alts(page, ["stage times per rank", "histogram of the benchmark rounds", "benchmark time per stage"])
 
 
 def test_the_checks_catch_a_wrong_page(driver, tmp_path):
@@ -191,18 +193,16 @@ def test_the_checks_catch_a_wrong_page(driver, tmp_path):
     cases = {
         "verdict": good.replace('data-verdict="FAIL">FAIL</span><span>', 'data-verdict="PASS">PASS</span><span>', 1),
         "tensor": good.replace("x_out", "x_o\u200but"),
-        "image": good.replace("data:image/png;base64,iVBOR", "data:image/png;base64,AAAAA", 1),
+        "image": good.replace("data:image/svg+xml;base64,PHN2Zy", "data:image/svg+xml;base64,AAAAAA", 1),
         "script": good.replace("</body>", "<script>undefinedFunction();</script></body>"),
     }
     want = {"verdict": "verdict badge says 'PASS'", "tensor": "text 'x_out' not on the page",
             "image": "did not decode", "script": "console error"}
     for name, text in cases.items():
-        if name == "image" and not plots.available():
-            continue
         path = tmp_path / f"{name}.html"
         path.write_text(text)
         page = browser.open_page(driver, path)
-        problems = browser.page_problems(page, verdict="FAIL", texts=["x_out"], min_images=_figures(3))
+        problems = browser.page_problems(page, verdict="FAIL", texts=["x_out"], min_images=_images(2))
         assert any(want[name] in p for p in problems), (name, problems)
     blank = tmp_path / "blank.html"
     blank.write_text("<!DOCTYPE html><html><body></body></html>")

@@ -4,6 +4,7 @@ of them is tests/e2e/test_report_browser.py's."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.report import plots
+from launcher.report import plots, svg
 from launcher.report.run_page import render, write_page, write_result_and_page
 from launcher.report.sweep_page import write_sweep_page
 
@@ -94,8 +95,9 @@ def test_a_failing_run_shows_fail_and_its_tensor_never_pass():
 def test_a_failing_tensor_gets_a_heat_map_per_grid_with_bad_points():
     pytest.importorskip("matplotlib")
     page = render(ok_result(False))
-    alts = re.findall(r'<img alt="([^"]*)" src="data:image/png;base64,', page)
-    assert alts == ["x_out rank x token block heat map", "x_out rank x hc heat map", "stage times per rank"]
+    alts = re.findall(r'<img alt="([^"]*)" src="data:image/([a-z+]*);base64,', page)
+    assert alts == [("x_out rank x token block heat map", "png"), ("x_out rank x hc heat map", "png"),
+                    ("stage times per rank", "svg+xml")]
     assert "figure not drawn" not in page
 
 
@@ -195,19 +197,19 @@ def test_without_matplotlib_the_page_has_tables_and_says_how_to_get_figures(monk
     finally:
         plots.available.cache_clear()
     assert h1_verdict(page) == "FAIL"
-    assert "<img" not in page and "figure not drawn" not in page
+    # The stage times are SVG, drawn without matplotlib; the heat maps and benchmark charts are not.
+    assert re.findall(r'<img alt="([^"]*)" src="data:image/svg\+xml;base64,', page) == ["stage times per rank"]
+    assert page.count("<img") == 1 and "figure not drawn" not in page
     assert "matplotlib is not installed" in page and "pip install &#x27;dsv4-tp-harness[plots]&#x27;" in page
     assert "<details open><summary>where the bad points are, as text" in page  # the grids as text instead
     assert 'id="stage-times"' in page and 'id="bench"' in page
 
 
 def test_a_figure_that_fails_leaves_a_note_and_the_rest_of_the_page(monkeypatch):
-    pytest.importorskip("matplotlib")
-
     def broken(*args):
         raise ValueError("no such stage")
 
-    monkeypatch.setattr(plots, "stage_times", broken)
+    monkeypatch.setattr(svg, "stage_times", broken)
     page = render(ok_result(True))
     assert "figure not drawn (stage times per rank): ValueError: no such stage" in page
     assert h1_verdict(page) == "PASS" and 'id="stage-times"' in page
@@ -256,6 +258,9 @@ def test_sweep_page_counts_links_filters_and_maps_the_jobs(tmp_path):
     assert 'data-layer="csa"' in page and 'data-verdict="ERROR"' in page
     map_table = page[page.index('id="map"'):]
     assert "<th>kv_cache</th><th>x_out</th>" in map_table and "0.75 FAIL" in map_table
+    (figure,) = re.findall(r'<img alt="jobs x tensors map of max \|diff\|" src="data:image/svg\+xml;base64,([^"]*)"', page)
+    crossed = re.findall(r'data-job="(\d)" data-tensor="(\w+)">\u2716', base64.b64decode(figure).decode())
+    assert crossed == [("0", "x_out")]
     # A job page links back to its sweep's page (the job folder sits in the sweep folder).
     assert '<a href="../report.html">the sweep</a>' in (sweep_dir / "0" / "report.html").read_text()
 
