@@ -19,6 +19,7 @@ import sys
 import time
 
 import hydra
+import hydra_plugins
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -192,6 +193,7 @@ def main() -> None:
     sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
     if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
         sys.exit(_print_sweep_configs(sys.argv[1:]))
+    sys.argv += basic_plugins_if_ours_are_hidden(sys.argv[1:])
     progress.hold_stderr_while_composing()
     code = None
     try:
@@ -210,6 +212,25 @@ def main() -> None:
     if held:
         sys.stderr.write(held)  # only printed (--help, --cfg): nothing failed
     sys.exit(final_status(code))
+
+
+def basic_plugins_if_ours_are_hidden(argv: list[str]) -> list[str]:
+    """Hydra finds plugins by walking the `hydra_plugins` namespace's folders. An editable
+    install in setuptools' strict mode (`pip install -e .`) serves the namespace through an
+    import hook that Hydra's walk cannot list, so the harness's sweeper and launcher
+    (`hydra_plugins.dsv4_tp_harness`) would be unknown to it: a multirun then takes Hydra's
+    basic pair (the same jobs, composed twice), with a warning saying how to get ours."""
+    if not any(a in ("-m", "--multirun") for a in argv) or any(
+            os.path.isfile(os.path.join(p, "dsv4_tp_harness", "sweep.py")) for p in hydra_plugins.__path__):
+        return []
+    chosen = {a.split("=", 1)[0].lstrip("+~") for a in argv}
+    basic = [f"{group}=basic" for group in ("hydra/sweeper", "hydra/launcher") if group not in chosen]
+    if basic:
+        print("warning: Hydra cannot see the harness's sweeper plugin (an editable install in setuptools' strict "
+              "mode hides it): this sweep uses Hydra's basic sweeper and launcher, which compose every job twice; "
+              "`pip install -e . --config-settings editable_mode=compat` (or `pip install .`) makes it visible",
+              file=sys.stderr)
+    return basic
 
 
 def _print_sweep_configs(argv: list[str]) -> int:

@@ -27,11 +27,12 @@ from hydra import compose, initialize_config_module
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf.errors import OmegaConfBaseException
 
+from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from layers.contract.config import ConfigError
 
 from launcher.report.console import table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
-from launcher.report.sweep import SWEEP_FILE, collect_rows, expand_jobs, job_entry, write_summary
+from launcher.report.sweep import SWEEP_FILE, collect_rows, job_entry, write_summary
 from launcher.run.preflight import preflight
 
 PASSED = ("PASS", "UNCHECKED")

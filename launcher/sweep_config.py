@@ -49,7 +49,7 @@ def print_sweep_configs(argv: list[str]) -> str | None:
             "config", overrides, run_mode=RunMode.MULTIRUN, with_log_configuration=False)
         jobs = planned_jobs(sweep)
         if jobs is None:
-            return "the jobs of this sweeper are not known before it runs: --cfg needs the basic sweeper"
+            return "the jobs of this sweeper are not known before it runs: --cfg needs the harness's or the basic sweeper"
         hydra_overrides = [o for o in overrides if o.startswith("hydra.")]  # not part of a job's own list
         for num, job in enumerate(jobs):
             cfg = compose("config", overrides=job + hydra_overrides, return_hydra_config=cfg_type != "job")

@@ -15,13 +15,13 @@ each job starts and ends, and at the end of the multirun writes, into the sweep 
 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
 (`launcher.cli.execute` writes one for every outcome), so a crashed job has its row too.
-Jobs run one after another in this process (Hydra's basic launcher): each launches its own
-ranks on a fresh rendezvous port.
+Jobs run one after another in this process (the harness's launcher,
+`hydra_plugins.dsv4_tp_harness.sweep`): each on new rank processes or on the warm ones of an
+earlier job (`launcher.run.rank_group`).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -30,11 +30,11 @@ import uuid
 import xml.etree.ElementTree as ET
 from typing import Any, ClassVar
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from launcher.config.slurm import node_output_dir
 from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
@@ -230,29 +230,13 @@ SWEEP_FILE = "sweep.json"
 
 
 def planned_jobs(config: DictConfig) -> list[list[str]] | None:
-    """Each job's overrides, in job order, as Hydra's basic sweeper expands this multirun
-    (`hydra.sweeper.params` first, then the command line; a key given twice keeps its first
-    place and its last value; the cartesian product of the swept values). None for another
-    sweeper, whose jobs are not known in advance."""
-    if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+    """Each job's overrides, in job order, as the harness's sweeper (and Hydra's basic one)
+    expand this multirun (`expand_jobs`). None for another sweeper, whose jobs are not known
+    in advance."""
+    if not str(config.hydra.sweeper.get("_target_", "")).endswith(("BasicSweeper", "HarnessSweeper")):
         return None
     return expand_jobs(config.hydra.sweeper.get("params") or {},
                        list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False)))
-
-
-def expand_jobs(params, overrides: list[str]) -> list[list[str]]:
-    """The basic sweeper's jobs from a sweep file's `hydra.sweeper.params` and the command
-    line's task overrides (see `planned_jobs`)."""
-    args = [f"{k}={v}" for k, v in params.items()]
-    args += list(overrides)
-    choices: dict[str, list[str]] = {}
-    for o in OverridesParser.create().parse_overrides(args):
-        key = o.get_key_element()
-        if o.is_sweep_override():
-            choices[key] = [f"{key}={v}" for v in o.sweep_string_iterator()]
-        else:
-            choices[key] = [f"{key}={o.get_value_element_as_str()}"]
-    return [list(job) for job in itertools.product(*choices.values())]
 
 
 def start_record(sweep_dir: str, jobs: list[list[str]] | None) -> str:
@@ -387,7 +371,7 @@ class SweepSummary(Callback):
         SweepSummary.unfinished_sweep = str(config.hydra.sweep.dir)
         progress.SWEEP = progress.SweepCounter(total=len(jobs) if jobs is not None else None)
 
-    # Job callbacks run in the process that runs the job: this one (Hydra's basic launcher)
+    # Job callbacks run in the process that runs the job: this one (the harness's launcher)
     # or another (joblib, submitit): there they print to that job's own output.
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep = progress.SWEEP

@@ -1,4 +1,5 @@
-"""The installed package (not the checkout) runs from any folder: configs ship inside it."""
+"""The installed package (not the checkout) runs from any folder: configs and the Hydra plugins
+ship inside it."""
 
 from __future__ import annotations
 
@@ -34,3 +35,9 @@ def test_installed_package_runs_outside_the_source_tree(tmp_path):
                         f"hydra.run.dir={tmp_path}/out"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "VERDICT: PASS" in p.stdout, p.stdout + p.stderr
     assert "PASS" in (tmp_path / "out" / "report.html").read_text()  # the page comes with the installed package
+    # A sweep finds the harness's own Hydra sweeper and launcher in the installed package.
+    p = subprocess.run([sys.executable, "-m", "launcher", "-m", "layer=swa", "tp=1,2", "model=tiny", "golden_cache=null",
+                        f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and "sweep: 2 passed" in p.stdout, p.stdout + p.stderr
+    assert "HarnessSweeper" in (tmp_path / "sweep" / "multirun.yaml").read_text() and "warning" not in p.stderr

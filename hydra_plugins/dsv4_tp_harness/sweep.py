@@ -1,0 +1,164 @@
+"""The default sweeper and launcher of `python -m launcher -m`: Hydra's basic ones, with every
+job's config composed once instead of twice.
+
+Hydra's basic sweeper composes each job's config before any job runs (a sweep with a job
+that cannot be composed is refused whole), and its basic launcher composes each again to run
+it. A composition takes 0.1 to 0.2 s, more than a tiny job's own overhead: here the sweeper
+hands the configs it composed to the launcher (`_COMPOSED`, by the job's overrides), which
+composes only a job it was not given (one planned by another sweeper). Everything else is the
+basic pair's: the same jobs in the same order (`expand_jobs`), `params`, `max_batch_size`, the
+sweep's `multirun.yaml`, jobs one after another in this process through Hydra's own job runner
+(`hydra.core.utils.run_job`: each job's folder, `.hydra/` files, logging and callbacks).
+A parallel launcher (`hydra/launcher=joblib`, `=slurm`) works with this sweeper as with the
+basic one and composes its jobs itself.
+
+Imported by every Hydra application's plugin scan: Hydra and OmegaConf only, nothing heavy;
+and no `from __future__ import annotations`: the scan runs the module without registering it
+in sys.modules, where dataclasses look string annotations up.
+"""
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.errors import HydraException
+from hydra.plugins.launcher import Launcher
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+# Job overrides -> the config the sweeper composed for that job, until the launcher takes it.
+_COMPOSED: dict[tuple[str, ...], DictConfig] = {}
+
+
+def expand_jobs(params: Mapping[str, Any], arguments: Sequence[str],
+                parser: OverridesParser | None = None) -> list[list[str]]:
+    """Each job's overrides, in job order, as Hydra's basic sweeper expands them: `params`
+    (a sweep file's `hydra.sweeper.params`) first, then `arguments` (the command line); a key
+    given twice keeps its first place and its last value; the cartesian product of the swept
+    values. `parser`: one made with the config loader, for sweeps over a group's options
+    (`glob(*)`); without it such a sweep cannot be expanded."""
+    parser = parser or OverridesParser.create()
+    choices: dict[str, list[str]] = {}
+    for override in parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *arguments]):
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise HydraException(f"{HarnessSweeper.__name__} does not support sweep type : "
+                                 f"{override.value_type.name if override.value_type else override}")
+    return [list(job) for job in itertools.product(*choices.values())]
+
+
+@dataclass
+class HarnessSweeperConf:
+    _target_: str = "hydra_plugins.dsv4_tp_harness.sweep.HarnessSweeper"
+    max_batch_size: Optional[int] = None  # jobs composed and launched at a time; null = all
+    params: Optional[dict[str, str]] = field(default=None)  # swept keys: `layer: swa,csa`
+
+
+@dataclass
+class HarnessLauncherConf:
+    _target_: str = "hydra_plugins.dsv4_tp_harness.sweep.HarnessLauncher"
+
+
+class HarnessSweeper(Sweeper):
+    """The basic sweeper's jobs, each composed once: the launcher is handed the configs."""
+
+    def __init__(self, max_batch_size: Optional[int] = None, params: Optional[Mapping[str, str]] = None):
+        super().__init__()
+        if max_batch_size is not None and max_batch_size <= 0 and max_batch_size != -1:
+            raise HydraException(f"hydra.sweeper.max_batch_size={max_batch_size}: a positive number of jobs, or null")
+        self.max_batch_size = None if max_batch_size == -1 else max_batch_size
+        self.params = dict(params or {})
+        self.hydra_context: Optional[HydraContext] = None
+        self.config: Optional[DictConfig] = None
+        self.launcher: Optional[Launcher] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.hydra_context = hydra_context
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
+        assert self.config is not None and self.launcher is not None and self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        jobs = expand_jobs(self.params, arguments, parser)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        size = self.max_batch_size or max(len(jobs), 1)
+        returns = []
+        for start in range(0, len(jobs), size):
+            batch = jobs[start:start + size]
+            try:
+                self.validate_batch_is_legal(batch)
+                results = self.launcher.launch(batch, initial_job_idx=start)
+            finally:
+                _COMPOSED.clear()  # a launcher that composes its own jobs leaves them here
+            for r in results:
+                _ = r.return_value  # a job that raised raises here, as with the basic sweeper
+            returns.append(results)
+        return returns
+
+    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
+        """Compose every job of the batch (a bad one refuses the sweep before any job runs)
+        and keep each config for the launcher."""
+        assert self.hydra_context is not None and self.config is not None
+        for overrides in batch:
+            _COMPOSED[tuple(overrides)] = self.hydra_context.config_loader.load_sweep_config(
+                master_config=self.config, sweep_overrides=list(overrides))
+
+
+class HarnessLauncher(Launcher):
+    """The basic launcher: jobs one after another in this process, each from the config the
+    sweeper composed for it (composed here only where none was)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config: Optional[DictConfig] = None
+        self.task_function: Optional[TaskFunction] = None
+        self.hydra_context: Optional[HydraContext] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        setup_globals()
+        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        log.info(f"Launching {len(job_overrides)} jobs locally")
+        runs = []
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            sweep_config = _COMPOSED.pop(tuple(overrides), None)
+            if sweep_config is None:
+                sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(sweep_config):
+                sweep_config.hydra.job.id = idx
+                sweep_config.hydra.job.num = idx
+            runs.append(run_job(hydra_context=self.hydra_context, task_function=self.task_function,
+                                config=sweep_config, job_dir_key="hydra.sweep.dir",
+                                job_subdir_key="hydra.sweep.subdir"))
+            configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        return runs
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="harness", node=HarnessSweeperConf, provider="dsv4_tp_harness")
+ConfigStore.instance().store(group="hydra/launcher", name="harness", node=HarnessLauncherConf,
+                             provider="dsv4_tp_harness")

@@ -1,0 +1,109 @@
+"""The harness's sweeper and launcher (`hydra_plugins.dsv4_tp_harness.sweep`), the default of
+`python -m launcher -m`: the basic pair's jobs in the basic pair's order, each job's config
+composed once instead of twice, a job that cannot be composed still refusing the whole sweep
+before any job runs; and where Hydra cannot see them, the basic pair with a warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import hydra_plugins
+import pytest
+from hydra.errors import HydraException
+
+from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
+from launcher.cli import basic_plugins_if_ours_are_hidden
+
+from ..conftest import REPO
+
+# `python -m launcher ARGS`, counting the job configs Hydra composes (its config loader's
+# load_sweep_config: the sweeper's check of each job and the launcher's run of it).
+_COUNTING = """
+import json, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+composed = []
+original = ConfigLoaderImpl.load_sweep_config
+
+def counted(self, master_config, sweep_overrides):
+    composed.append(list(sweep_overrides))
+    return original(self, master_config, sweep_overrides)
+
+ConfigLoaderImpl.load_sweep_config = counted
+sys.argv = ["launcher", *sys.argv[1:]]
+from launcher.__main__ import run
+try:
+    run()
+finally:  # before the exit handlers: the last of them ends the process at once
+    print("COMPOSED " + json.dumps(composed), flush=True)
+"""
+
+JOBS = [["layer=swa", "model=tiny", "tp=1"], ["layer=swa", "model=tiny", "tp=2"]]
+
+
+def _sweep(tmp_path, name: str, *args: str) -> tuple[subprocess.CompletedProcess, list, dict]:
+    sweep_dir = tmp_path / name
+    p = subprocess.run([sys.executable, "-c", _COUNTING, "-m", "layer=swa", "model=tiny", "tp=1,2", *args,
+                        f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=300)
+    composed = json.loads(p.stdout.split("COMPOSED ", 1)[1].splitlines()[0]) if "COMPOSED " in p.stdout else None
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    return p, composed, summary
+
+
+def test_each_job_is_composed_once_and_runs_as_with_the_basic_pair(tmp_path):
+    ours, composed, summary = _sweep(tmp_path, "ours")
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    assert composed == JOBS  # checked before the first job ran, and not again to run it
+    basic, basic_composed, basic_summary = _sweep(tmp_path, "basic", "hydra/sweeper=basic", "hydra/launcher=basic")
+    assert basic.returncode == 0, basic.stdout + basic.stderr
+    assert basic_composed == JOBS + JOBS  # Hydra's basic pair: once to check, once to run
+    jobs = [(j["job"], j["overrides"], j["verdict"]) for j in summary["jobs"]]
+    assert jobs == [(j["job"], j["overrides"], j["verdict"]) for j in basic_summary["jobs"]]
+    assert [o for _, o, _ in jobs] == JOBS and {v for _, _, v in jobs} == {"PASS"}
+    # The jobs' own records are Hydra's: each job's folder, its .hydra files, its number.
+    for num, job in enumerate(JOBS):
+        overrides = (tmp_path / "ours" / str(num) / ".hydra" / "overrides.yaml").read_text()
+        assert all(o in overrides for o in job)
+        assert json.loads((tmp_path / "ours" / str(num) / "result.json").read_text())["job"]["num"] == num
+    assert "HarnessSweeper" in (tmp_path / "ours" / "multirun.yaml").read_text()
+
+
+def test_batches_are_checked_and_run_one_after_another(tmp_path):
+    p, composed, summary = _sweep(tmp_path, "batches", "hydra.sweeper.max_batch_size=1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert composed == JOBS and [j["overrides"] for j in summary["jobs"]] == JOBS
+
+
+def test_a_job_that_cannot_be_composed_refuses_the_sweep_before_any_job_runs(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "launcher", "-m", "layer=swa", "model=tiny,nosuch", "tp=1",
+                        f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "nosuch" in p.stderr and "Traceback" not in p.stderr
+    assert not (sweep_dir / "0" / "result.json").exists()  # job 0 was fine, and still did not run
+
+
+def test_the_basic_sweepers_jobs_in_its_order():
+    assert expand_jobs({"layer": "swa,csa"}, ["tp=1,2", "model=tiny"]) == [
+        ["layer=swa", "tp=1", "model=tiny"], ["layer=swa", "tp=2", "model=tiny"],
+        ["layer=csa", "tp=1", "model=tiny"], ["layer=csa", "tp=2", "model=tiny"]]
+    # A key given twice keeps its first place and its last value.
+    assert expand_jobs({"tp": "1,2"}, ["layer=hca", "tp=8"]) == [["tp=8", "layer=hca"]]
+    assert expand_jobs({}, ["seed=range(1,4)"]) == [["seed=1"], ["seed=2"], ["seed=3"]]
+    with pytest.raises(HydraException, match="does not support sweep type"):
+        expand_jobs({}, ["seed=interval(0,1)"])
+
+
+def test_where_hydra_cannot_see_our_plugins_a_sweep_takes_the_basic_pair(monkeypatch, capsys):
+    assert basic_plugins_if_ours_are_hidden(["-m", "layer=swa,csa"]) == []  # this checkout: visible
+    monkeypatch.setattr(hydra_plugins, "__path__", ["__editable__.dsv4_tp_harness-0.1.0.finder.__path_hook__"])
+    assert basic_plugins_if_ours_are_hidden(["layer=swa"]) == []  # not a sweep: no sweeper needed
+    assert basic_plugins_if_ours_are_hidden(["-m", "layer=swa,csa"]) == ["hydra/sweeper=basic", "hydra/launcher=basic"]
+    assert "editable_mode=compat" in capsys.readouterr().err
+    # A launcher the user chose stays theirs.
+    assert basic_plugins_if_ours_are_hidden(["--multirun", "hydra/launcher=joblib", "tp=1,2"]) == ["hydra/sweeper=basic"]
