@@ -16,9 +16,9 @@ import threading
 from launcher.run import lifeline
 
 # Imported by the forkserver once, so that each rank starts without re-importing torch; the
-# first arms the server to die with the launcher.
+# first arms the server to die with the launcher, the last works out what every rank needs.
 PRELOAD = ["launcher.run.lifeline", "torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "launcher.run.rank_server", "layers.registry", "layers.tp",
-           "layers.stages", "launcher.verify.bisect"]
+           "layers.stages", "launcher.verify.bisect", "launcher.run.rank_preload"]
 
 # MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and
 # machines; the reference snapshots were made with the AVX2 code path in strict

@@ -1,4 +1,6 @@
-"""What every node of a multi-node run must agree on, checked on every rank at rendezvous.
+"""What every node of a multi-node run must agree on, checked on every rank at rendezvous
+(`launcher.run.worker.rank_main`: every node, and every task under srun, composed its own
+config; the rank processes of one launcher on one node all get its one spec).
 
 Each node composes its own config from its own command line. Every RunSpec field shapes the
 run (which tensors, which collectives, which verdict) unless it is named in `NODE_LOCAL`

@@ -339,6 +339,7 @@ def rank_main(spec: RunSpec):
     begin_job(spec)
     note_sigint()
     device = join_world(spec, local_rank)
+    nodes.check_nodes_agree(spec)  # each node (each task under srun) composed its own config
     result = run_job(spec, device)
     # Not in a `finally`: a failing rank must record its error before its sockets close, or a
     # peer that sees the closed connection could be reported first.
@@ -375,7 +376,6 @@ def join_world(spec: RunSpec, local_rank: int) -> torch.device:
 def run_job(spec: RunSpec, device: torch.device):
     """One job on a rank that has joined the world (`begin_job` done): rank 0 returns the
     run's result, the others the verdict rank 0 broadcast."""
-    nodes.check_nodes_agree(spec)
     layout = GroupLayout(spec.dp, spec.case.group_size, int(os.environ["RANK"]))
     group = tp_process_group(layout)
     result = _run(spec, layout, group, device)

@@ -19,6 +19,7 @@ anything in it, unless it is a snapshot and overwriting was asked for.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -42,6 +43,7 @@ SUBDIRS = ("in", "out")
 SNAPSHOT_PARTS = {"in", "out", MANIFEST, "reference.json"}
 
 
+@functools.cache  # a scan of every installed distribution: 30 ms a call
 def tool_version() -> str:
     try:
         return metadata.version("dsv4-tp-harness")
