@@ -24,6 +24,7 @@ import sys
 import time
 
 from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf.errors import OmegaConfBaseException
 
@@ -42,20 +43,24 @@ def _is_hydra(override: str) -> bool:
     return override.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))
 
 
-def _compose(overrides: list[str], hydra_config: bool = False):
+def _compose(overrides: list[str]):
     with initialize_config_module(config_module="configs", version_base=None):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_config)
+        return compose(config_name="config", overrides=overrides)
 
 
 def planned(args: list[str]) -> list[list[str]]:
     """The jobs `python -m launcher -m ARGS` runs, each as its task overrides."""
     task = [a for a in args if not _is_hydra(a)]
-    parsed = OverridesParser.create().parse_overrides(task)
-    # The sweep file's params come with the config: compose it with each swept key's first value.
-    first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else a
-             for o, a in zip(parsed, task)]
-    cfg = _compose(first + [a for a in args if _is_hydra(a)], hydra_config=True)
-    return expand_jobs(cfg.hydra.sweeper.get("params") or {}, task)
+    with initialize_config_module(config_module="configs", version_base=None):
+        # Hydra's config loader lists a group's options for a `glob(...)` sweep.
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        parsed = parser.parse_overrides(task)
+        # The sweep file's params come with the config: compose it with each swept key's first value.
+        first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else a
+                 for o, a in zip(parsed, task)]
+        cfg = compose(config_name="config", overrides=first + [a for a in args if _is_hydra(a)],
+                      return_hydra_config=True)
+        return expand_jobs(cfg.hydra.sweeper.get("params") or {}, task, parser)
 
 
 def _check(overrides: list[str]) -> tuple[str, str]:

@@ -45,8 +45,8 @@ def expand_jobs(params: Mapping[str, Any], arguments: Sequence[str],
     """Each job's overrides, in job order, as Hydra's basic sweeper expands them: `params`
     (a sweep file's `hydra.sweeper.params`) first, then `arguments` (the command line); a key
     given twice keeps its first place and its last value; the cartesian product of the swept
-    values. `parser`: one made with the config loader, for sweeps over a group's options
-    (`glob(*)`); without it such a sweep cannot be expanded."""
+    values. `parser`: one made with Hydra's config loader, which a sweep over a group's options
+    (`layer=glob(*)`) needs to list them."""
     parser = parser or OverridesParser.create()
     choices: dict[str, list[str]] = {}
     for override in parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *arguments]):

@@ -70,7 +70,9 @@ def render(result: dict, output_dir: str | None = None) -> str:
     word = verdict(result)
     c = result["case"]
     title = f"{word} {c.get('layer')} {group_text(c)}{' dp=' + str(c['dp']) if c.get('dp', 1) != 1 else ''} {c.get('model')}"
-    body = [_header(result, word, output_dir), plots_note()]
+    body = [_header(result, word, output_dir)]
+    if any(plots.error_grids(result)) or result.get("bench"):  # figures that need matplotlib
+        body.append(plots_note())
     if result["status"] != "ok":
         body.append(_error(result))
     elif result.get("unchecked"):

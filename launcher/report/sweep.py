@@ -30,6 +30,8 @@ import uuid
 import xml.etree.ElementTree as ET
 from typing import Any, ClassVar
 
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -235,8 +237,10 @@ def planned_jobs(config: DictConfig) -> list[list[str]] | None:
     in advance."""
     if not str(config.hydra.sweeper.get("_target_", "")).endswith(("BasicSweeper", "HarnessSweeper")):
         return None
+    hydra = GlobalHydra.instance()  # its config loader lists a group's options for `glob(...)`
+    parser = OverridesParser.create(config_loader=hydra.config_loader() if hydra.is_initialized() else None)
     return expand_jobs(config.hydra.sweeper.get("params") or {},
-                       list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False)))
+                       list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False)), parser)
 
 
 def start_record(sweep_dir: str, jobs: list[list[str]] | None) -> str:

@@ -88,6 +88,22 @@ def test_a_job_that_cannot_be_composed_refuses_the_sweep_before_any_job_runs(tmp
     assert not (sweep_dir / "0" / "result.json").exists()  # job 0 was fine, and still did not run
 
 
+def test_a_sweep_over_a_groups_options_is_planned_in_full(tmp_path):
+    """`glob(...)` lists a config group's options through Hydra's config loader: the sweep's
+    record (its planned jobs, from which a job that never ran is an ERROR row) has them too."""
+    sweep_dir = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "launcher", "-m", "layer=glob(s*)", "model=tiny", "tp=1",
+                        f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "sweep: 1 passed" in p.stdout, p.stdout + p.stderr
+    assert json.loads((sweep_dir / "sweep.json").read_text())["jobs"] == [["layer=swa", "model=tiny", "tp=1"]]
+    assert "raised" not in p.stderr  # no callback of the sweep failed
+    listed = subprocess.run([sys.executable, "-m", "launcher.sweep", "list", "layer=glob(s*)", "model=tiny", "tp=1"],
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                            timeout=300)
+    assert listed.returncode == 0 and "sweep: 1 jobs, 0 would be refused" in listed.stdout, listed.stdout + listed.stderr
+
+
 def test_the_basic_sweepers_jobs_in_its_order():
     assert expand_jobs({"layer": "swa,csa"}, ["tp=1,2", "model=tiny"]) == [
         ["layer=swa", "tp=1", "model=tiny"], ["layer=swa", "tp=2", "model=tiny"],

@@ -203,6 +203,13 @@ def test_without_matplotlib_the_page_has_tables_and_says_how_to_get_figures(monk
     assert "matplotlib is not installed" in page and "pip install &#x27;dsv4-tp-harness[plots]&#x27;" in page
     assert "<details open><summary>where the bad points are, as text" in page  # the grids as text instead
     assert 'id="stage-times"' in page and 'id="bench"' in page
+    # A passing run's page has no figure that needs matplotlib: nothing to say about it.
+    plots.available.cache_clear()
+    try:
+        page = render(ok_result(True))
+    finally:
+        plots.available.cache_clear()
+    assert "matplotlib" not in page and page.count("<img") == 1
 
 
 def test_a_figure_that_fails_leaves_a_note_and_the_rest_of_the_page(monkeypatch):
