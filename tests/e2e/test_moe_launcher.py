@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .. import defects
+from .. import defects, moe_snapshot
 from ..conftest import peer_snapshot
 
 
@@ -39,8 +39,12 @@ def test_the_reference_snapshot_replays_on_two_real_ranks(tp_run):
     src = peer_snapshot("moe-ep2-small")
     run = tp_run(layer="moe", ep=2, model="small", golden_data=str(src), recompute_golden=True)
     assert run.passed, run
-    for verdicts in (run.result["verdicts"], run.result["recomputed_verdicts"]):
-        assert verdicts[0]["figures"]["max_abs_diff"] == 0  # bit for bit, both references
+    assert run.result["recomputed_verdicts"][0]["figures"]["max_abs_diff"] == 0  # bit for bit, our golden
+    # Against the snapshot: bit for bit where this CPU's GEMMs round as the snapshot's machine's
+    # did, else exactly our golden's gap to it, which the expert outputs' rounding explains.
+    gap = moe_snapshot.reference_gap(src)
+    assert gap.acceptable(), gap
+    assert run.result["verdicts"][0]["figures"]["max_abs_diff"] == gap.max_abs_diff
 
 
 @pytest.mark.parametrize("impl, ranks", [
