@@ -4,11 +4,13 @@ job's config composed once instead of twice.
 Hydra's basic sweeper composes each job's config before any job runs (a sweep with a job
 that cannot be composed is refused whole), and its basic launcher composes each again to run
 it. A composition takes 0.1 to 0.2 s, more than a tiny job's own overhead: here the sweeper
-hands the configs it composed to the launcher (`_COMPOSED`, by the job's overrides), which
-composes only a job it was not given (one planned by another sweeper). Everything else is the
-basic pair's: the same jobs in the same order (`expand_jobs`), `params`, `max_batch_size`, the
-sweep's `multirun.yaml`, jobs one after another in this process through Hydra's own job runner
-(`hydra.core.utils.run_job`: each job's folder, `.hydra/` files, logging and callbacks).
+composes a batch on every core (`compose_all`: forked copies of this process, which already
+holds Hydra's state) and hands the configs to the launcher (`_COMPOSED`, by the job's
+overrides), which composes only a job it was not given (one planned by another sweeper).
+Everything else is the basic pair's: the same jobs in the same order (`expand_jobs`),
+`params`, `max_batch_size`, the sweep's `multirun.yaml`, jobs one after another in this
+process through Hydra's own job runner (`hydra.core.utils.run_job`: each job's folder,
+`.hydra/` files, logging and callbacks).
 A parallel launcher (`hydra/launcher=joblib`, `=slurm`) works with this sweeper as with the
 basic one and composes its jobs itself.
 
@@ -19,10 +21,15 @@ in sys.modules, where dataclasses look string annotations up.
 
 import itertools
 import logging
+import os
+import pickle
+import select
+import signal
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -59,6 +66,87 @@ def expand_jobs(params: Mapping[str, Any], arguments: Sequence[str],
             raise HydraException(f"{HarnessSweeper.__name__} does not support sweep type : "
                                  f"{override.value_type.name if override.value_type else override}")
     return [list(job) for job in itertools.product(*choices.values())]
+
+
+# A forked copy of this process costs a few milliseconds and each config comes back pickled
+# (a few milliseconds more): a copy is worth it from two jobs on.
+JOBS_PER_COPY = 2
+# A copy's share normally takes 0.1 to 0.2 s a job; one that takes far longer (a copy stuck
+# in a lock some other thread held at the fork) is ended and its jobs composed here.
+COPY_GRACE_S, COPY_S_PER_JOB = 30.0, 2.0
+
+
+def compose_all(compose: Callable[[list[str]], DictConfig], jobs: Sequence[Sequence[str]]) -> list[DictConfig]:
+    """`compose(job)` of every job, in job order, on up to one forked copy of this process per
+    usable core (copy k composes jobs k, k + n, ... and sends its configs back pickled).
+
+    The same configs as composed one after another here (a copy is this process: Hydra's
+    state and the master config's resolver cache included), and the same error: a job a copy
+    could not compose, or whose config did not come back, is composed here again, in job
+    order, so the first bad job raises Hydra's own exception from this process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    copies = max(1, min(cores, len(jobs) // JOBS_PER_COPY)) if hasattr(os, "fork") else 1
+    composed: list[Optional[DictConfig]] = [None] * len(jobs)
+    children: dict[int, int] = {}  # pid -> read end of its pipe
+    try:
+        for k in range(1, copies):
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                _compose_share(compose, jobs, range(k, len(jobs), copies), write_end)
+            os.close(write_end)
+            children[pid] = read_end
+        for i in range(0, len(jobs), copies):
+            try:
+                composed[i] = compose(list(jobs[i]))
+            except Exception:
+                pass  # raised below, in job order
+        deadline = time.monotonic() + COPY_GRACE_S + COPY_S_PER_JOB * -(-len(jobs) // copies)
+        for pid, read_end in children.items():
+            try:
+                for i, config in pickle.loads(_receive(read_end, deadline)):
+                    composed[i] = config
+            except Exception:
+                pass  # a copy that died, sent nothing or ran out of time: its jobs are composed below
+    finally:
+        for pid, read_end in children.items():
+            os.close(read_end)
+            try:
+                os.kill(pid, signal.SIGKILL)  # it has ended unless it was stuck or this process was interrupted
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+    return [config if config is not None else compose(list(job)) for config, job in zip(composed, jobs)]
+
+
+def _compose_share(compose: Callable[[list[str]], DictConfig], jobs: Sequence[Sequence[str]],
+                   share: range, write_end: int) -> None:
+    """A forked copy's life: compose its share, send `[(job index, config)]`, and end at once
+    (no atexit handler or finalizer of the launcher runs twice)."""
+    try:
+        configs = []
+        for i in share:
+            try:
+                configs.append((i, compose(list(jobs[i]))))
+            except Exception:
+                pass  # composed again in the parent, which raises its error
+        with os.fdopen(write_end, "wb") as out:
+            pickle.dump(configs, out, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        os._exit(0)
+
+
+def _receive(read_end: int, deadline: float) -> bytes:
+    """Everything a copy writes until it closes its end, or TimeoutError at the deadline."""
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([read_end], [], [], left)[0]:
+            raise TimeoutError
+        chunk = os.read(read_end, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 @dataclass
@@ -117,9 +205,10 @@ class HarnessSweeper(Sweeper):
         """Compose every job of the batch (a bad one refuses the sweep before any job runs)
         and keep each config for the launcher."""
         assert self.hydra_context is not None and self.config is not None
-        for overrides in batch:
-            _COMPOSED[tuple(overrides)] = self.hydra_context.config_loader.load_sweep_config(
-                master_config=self.config, sweep_overrides=list(overrides))
+        loader, master = self.hydra_context.config_loader, self.config
+        configs = compose_all(lambda job: loader.load_sweep_config(master_config=master, sweep_overrides=job), batch)
+        for overrides, config in zip(batch, configs):
+            _COMPOSED[tuple(overrides)] = config
 
 
 class HarnessLauncher(Launcher):

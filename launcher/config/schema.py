@@ -27,6 +27,7 @@ _hints = typing.get_type_hints(ModelConfig)
 ModelSchema = dataclasses.make_dataclass(
     "ModelSchema", [(f.name, _hints[f.name], field(default=MISSING)) for f in dataclasses.fields(ModelConfig)]
 )
+ModelSchema.__module__ = __name__  # found by pickle: a sweep's configs come back from the composing copies
 
 
 @dataclass

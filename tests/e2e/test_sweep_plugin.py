@@ -20,36 +20,39 @@ from launcher.cli import basic_plugins_if_ours_are_hidden
 from ..conftest import REPO
 
 # `python -m launcher ARGS`, counting the job configs Hydra composes (its config loader's
-# load_sweep_config: the sweeper's check of each job and the launcher's run of it).
+# load_sweep_config: the sweeper's check of each job and the launcher's run of it), in whichever
+# process composes them: one line per composition, "pid overrides", appended to a file.
 _COUNTING = """
-import json, sys
+import json, os, sys
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-composed = []
+record = sys.argv.pop(1)
 original = ConfigLoaderImpl.load_sweep_config
 
 def counted(self, master_config, sweep_overrides):
-    composed.append(list(sweep_overrides))
+    with open(record, "a") as f:
+        f.write(f"{os.getpid()} {json.dumps(list(sweep_overrides))}\\n")
     return original(self, master_config, sweep_overrides)
 
 ConfigLoaderImpl.load_sweep_config = counted
 sys.argv = ["launcher", *sys.argv[1:]]
 from launcher.__main__ import run
-try:
-    run()
-finally:  # before the exit handlers: the last of them ends the process at once
-    print("COMPOSED " + json.dumps(composed), flush=True)
+run()
 """
 
-JOBS = [["layer=swa", "model=tiny", "tp=1"], ["layer=swa", "model=tiny", "tp=2"]]
+# Four jobs: the sweeper composes them on two processes where there are two cores.
+JOBS = [["layer=swa", "model=tiny", "tp=1"], ["layer=swa", "model=tiny", "tp=2"],
+        ["layer=hca", "model=tiny", "tp=1"], ["layer=hca", "model=tiny", "tp=2"]]
 
 
 def _sweep(tmp_path, name: str, *args: str) -> tuple[subprocess.CompletedProcess, list, dict]:
-    sweep_dir = tmp_path / name
-    p = subprocess.run([sys.executable, "-c", _COUNTING, "-m", "layer=swa", "model=tiny", "tp=1,2", *args,
-                        f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    """The sweep's process, its compositions `[(pid, overrides)]` and its summary."""
+    sweep_dir, record = tmp_path / name, tmp_path / f"{name}.composed"
+    p = subprocess.run([sys.executable, "-c", _COUNTING, str(record), "-m", "layer=swa,hca", "model=tiny", "tp=1,2",
+                        *args, f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
                        capture_output=True, text=True, timeout=300)
-    composed = json.loads(p.stdout.split("COMPOSED ", 1)[1].splitlines()[0]) if "COMPOSED " in p.stdout else None
+    composed = [(int(pid), json.loads(job)) for pid, job in
+                (line.split(" ", 1) for line in record.read_text().splitlines())] if record.exists() else []
     summary = json.loads((sweep_dir / "summary.json").read_text())
     return p, composed, summary
 
@@ -57,30 +60,39 @@ def _sweep(tmp_path, name: str, *args: str) -> tuple[subprocess.CompletedProcess
 def test_each_job_is_composed_once_and_runs_as_with_the_basic_pair(tmp_path):
     ours, composed, summary = _sweep(tmp_path, "ours")
     assert ours.returncode == 0, ours.stdout + ours.stderr
-    assert composed == JOBS  # checked before the first job ran, and not again to run it
+    assert sorted(job for _, job in composed) == sorted(JOBS)  # checked before the first job ran, not again to run it
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert len({pid for pid, _ in composed}) == 2  # this process and one forked copy
     basic, basic_composed, basic_summary = _sweep(tmp_path, "basic", "hydra/sweeper=basic", "hydra/launcher=basic")
     assert basic.returncode == 0, basic.stdout + basic.stderr
-    assert basic_composed == JOBS + JOBS  # Hydra's basic pair: once to check, once to run
+    assert [job for _, job in basic_composed] == JOBS + JOBS  # Hydra's basic pair: once to check, once to run
     jobs = [(j["job"], j["overrides"], j["verdict"]) for j in summary["jobs"]]
     assert jobs == [(j["job"], j["overrides"], j["verdict"]) for j in basic_summary["jobs"]]
     assert [o for _, o, _ in jobs] == JOBS and {v for _, _, v in jobs} == {"PASS"}
-    # The jobs' own records are Hydra's: each job's folder, its .hydra files, its number.
+    # The jobs' own records are Hydra's: each job's folder, its .hydra files, its number, and
+    # the same config as the basic pair composed (also where a forked copy composed it).
     for num, job in enumerate(JOBS):
         overrides = (tmp_path / "ours" / str(num) / ".hydra" / "overrides.yaml").read_text()
         assert all(o in overrides for o in job)
         assert json.loads((tmp_path / "ours" / str(num) / "result.json").read_text())["job"]["num"] == num
+        config = (tmp_path / "ours" / str(num) / ".hydra" / "config.yaml").read_text()
+        assert config == (tmp_path / "basic" / str(num) / ".hydra" / "config.yaml").read_text(), num
     assert "HarnessSweeper" in (tmp_path / "ours" / "multirun.yaml").read_text()
 
 
 def test_batches_are_checked_and_run_one_after_another(tmp_path):
     p, composed, summary = _sweep(tmp_path, "batches", "hydra.sweeper.max_batch_size=1")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert composed == JOBS and [j["overrides"] for j in summary["jobs"]] == JOBS
+    assert [job for _, job in composed] == JOBS and [j["overrides"] for j in summary["jobs"]] == JOBS
 
 
-def test_a_job_that_cannot_be_composed_refuses_the_sweep_before_any_job_runs(tmp_path):
+@pytest.mark.parametrize("jobs", [
+    ["model=tiny,nosuch", "tp=1"],
+    ["tp=1,2", "model=tiny,nosuch"],  # four jobs: the bad job 1 is composed by a forked copy first
+])
+def test_a_job_that_cannot_be_composed_refuses_the_sweep_before_any_job_runs(tmp_path, jobs):
     sweep_dir = tmp_path / "sweep"
-    p = subprocess.run([sys.executable, "-m", "launcher", "-m", "layer=swa", "model=tiny,nosuch", "tp=1",
+    p = subprocess.run([sys.executable, "-m", "launcher", "-m", "layer=swa", *jobs,
                         f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
