@@ -53,7 +53,8 @@ def test_golden_reproduces_the_reference_snapshot_bitwise(two_threads):
     assert gap.acceptable(), gap
     if not gap.exact:
         warnings.warn(f"this CPU's fp32 GEMMs round the MoE experts unlike the snapshot's machine: bit for bit "
-                      f"up to {gap.moved} of {gap.active} ffn_out elements one bf16 step apart ({gap})")
+                      f"but for {gap.moved} of {gap.active} (token, column) places, each with one expert output "
+                      f"one bf16 step apart ({gap})")
 
 
 def test_a_wrong_golden_is_not_explained_by_gemm_rounding(two_threads):
