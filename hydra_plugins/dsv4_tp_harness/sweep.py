@@ -91,7 +91,12 @@ def compose_all(compose: Callable[[list[str]], DictConfig], jobs: Sequence[Seque
     try:
         for k in range(1, copies):
             read_end, write_end = os.pipe()
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError:  # no process to spare (a ulimit): this copy's jobs are composed below
+                os.close(read_end)
+                os.close(write_end)
+                break
             if pid == 0:
                 _compose_share(compose, jobs, range(k, len(jobs), copies), write_end)
             os.close(write_end)

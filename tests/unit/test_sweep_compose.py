@@ -1,6 +1,6 @@
 """`compose_all`, the sweeper's composition of a batch on forked copies of the launcher: every
 job composed once, in job order, the first bad job's own error raised in the launcher, and a
-copy that dies or gets stuck costing time, never a config or a hang."""
+copy that dies, gets stuck or cannot be forked costing time, never a config or a hang."""
 
 from __future__ import annotations
 
@@ -68,6 +68,15 @@ def test_a_copy_that_dies_leaves_its_jobs_to_the_launcher(tmp_path, two_cores):
     assert [c["job"] for c in configs] == [j[0] for j in JOBS]
     assert {c["pid"] for c in configs} == {LAUNCHER}  # the copy's two earlier configs were never sent
     assert [job for pid, job in _log(log) if pid == LAUNCHER] == ["tp=1", "tp=4", "tp=16", "tp=2", "tp=8", "tp=32"]
+
+
+def test_no_process_to_fork_composes_everything_here(tmp_path, two_cores, monkeypatch):
+    def no_fork():
+        raise BlockingIOError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    configs = sweep.compose_all(_recording(tmp_path / "log"), JOBS)
+    assert [c["job"] for c in configs] == [j[0] for j in JOBS] and {c["pid"] for c in configs} == {LAUNCHER}
 
 
 def test_a_stuck_copy_is_ended_at_its_deadline(tmp_path, two_cores, monkeypatch):
