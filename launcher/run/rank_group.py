@@ -162,11 +162,17 @@ class RankGroup:
 
     def close(self) -> None:
         """Let idle ranks leave the world and exit; any that do not within the grace are killed."""
+        self.ask_to_leave()
+        self.wait_to_leave()
+
+    def ask_to_leave(self) -> None:
         for conn in self.conns:
             try:
                 conn.send(None)
             except OSError:
                 pass
+
+    def wait_to_leave(self) -> None:
         deadline = time.monotonic() + _STOP_GRACE_S
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -232,8 +238,14 @@ class GroupPool:
             self._groups.popitem(last=False)[1].close()
 
     def close(self) -> None:
-        while self._groups:
-            self._groups.popitem()[1].close()
+        """Every group leaves at once: a group's ranks take 0.02 to 0.1 s to leave the process
+        group and exit, which the groups of a sweep over several world sizes would add up."""
+        groups = list(self._groups.values())
+        self._groups.clear()
+        for group in groups:
+            group.ask_to_leave()
+        for group in groups:
+            group.wait_to_leave()
 
 
 POOL = GroupPool()

@@ -57,3 +57,13 @@ def test_on_accelerators_a_node_holds_one_group_at_a_time(tmp_path, pool):
     taken = pool.take(dataclasses.replace(_spec(tmp_path, "tp=2"), backend="nccl"))
     assert not any(p.is_alive() for group in kept for p in group.procs)
     taken.stop()
+
+
+def test_closing_the_pool_lets_every_groups_ranks_leave_on_their_own(tmp_path, pool):
+    kept = [pool.take(_spec(tmp_path, f"tp={tp}")) for tp in (1, 2, 4)]
+    for group in kept:
+        pool.keep(group)
+    pool.close()
+    procs = [p for group in kept for p in group.procs]
+    assert not any(p.is_alive() for p in procs)
+    assert all(p.exitcode >= 0 for p in procs), [p.exitcode for p in procs]  # none ended by a signal
