@@ -55,8 +55,8 @@ class Gap:
         return self.exact or (self.unexplained == 0 and self.moved <= MAX_MOVED_FRACTION * self.active)
 
 
-def golden_gap(case: MoECase, inp: dict[str, torch.Tensor], want: torch.Tensor) -> tuple[torch.Tensor, Gap]:
-    """Our golden x_next of the snapshot's inputs, and its gap to the snapshot's `want`."""
+def golden_gap(case: MoECase, inp: dict[str, torch.Tensor], want: torch.Tensor) -> Gap:
+    """The gap of our golden x_next of the snapshot's inputs to the snapshot's `want`."""
     rank0 = {n: (x if x.dim() == 0 else x[0]) for n, x in inp.items()}
     sources = lambda s: {"x_hc": inp["x_hc"][s], "input_ids": inp["input_ids"][s]}  # noqa: E731
     gates = moe.golden_gates(case, rank0, sources)
@@ -65,7 +65,7 @@ def golden_gap(case: MoECase, inp: dict[str, torch.Tensor], want: torch.Tensor) 
     got = moe.golden_x_next(case, rank0, sources, gates, recv_ys)
     diff = float((got - want).abs().max())
     if torch.equal(got, want):
-        return got, Gap(True, diff, 0, 0, 0)
+        return Gap(True, diff, 0, 0, 0)
     replays = [routing.replay_dispatch(d, gates["indices"], n, case.local_experts) for d in range(case.ep)]
     k = case.model.num_experts_per_tok
     moved = active = unexplained = 0
@@ -89,9 +89,9 @@ def golden_gap(case: MoECase, inp: dict[str, torch.Tensor], want: torch.Tensor) 
                 moved += int(fits.sum())
         active += n * sh.shape[1]
         unexplained += int(((got[s] != want[s]).any(dim=1) & ~explained).sum())
-    return got, Gap(False, diff, moved, active, unexplained)
+    return Gap(False, diff, moved, active, unexplained)
 
 
 def reference_gap(root: Path) -> Gap:
     inp, out = load(root / "in"), load(root / "out")
-    return golden_gap(snapshot_case(inp), inp, out["x_next"])[1]
+    return golden_gap(snapshot_case(inp), inp, out["x_next"])
