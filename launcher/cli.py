@@ -30,6 +30,7 @@ from layers.contract.config import ConfigError
 
 from launcher import sweep_config
 from launcher.config.job_slot import JobSlot, job_slot, slot_count
+from launcher.config.one_composition import composed_once
 from launcher.config.slurm import node_output_dir
 from launcher.config.spec import config_case
 from launcher.report import console, plots, progress, sweep
@@ -197,7 +198,8 @@ def main() -> None:
     progress.hold_stderr_while_composing()
     code = None
     try:
-        _hydra_main()
+        with composed_once(sys.argv[1:]):
+            _hydra_main()
     except SystemExit as e:
         code = e.code
     except Exception as e:  # Hydra's own refusal of the command line, e.g. -m with --cfg
