@@ -9,8 +9,9 @@ result.json; every rank exits with rank 0's verdict code (0 PASS, 1 FAIL), a ran
 
 A rank that fails prints its traceback, records it in torchrun's error file (torchrun's summary
 shows it), writes an error result.json and exits 2, as under `python -m launcher`. A rank
-whose collective only broke because a peer failed writes its result only where no rank did:
-the root cause's report stays. (torchrun itself exits 1 whenever a worker fails.)
+whose collective only broke because a peer failed writes its result only where no rank did
+(the root cause's report stays) and exits a little later (`CASUALTY_EXIT_DELAY_S`). (torchrun
+itself exits 1 whenever a worker fails.)
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ from launcher.run.launch import RankFailure, failed_stage, is_casualty
 from launcher.run.preflight import preflight
 from launcher.run.worker import rank_main
 from layers.contract.config import ConfigError
+
+
+# torchrun stops every worker once it sees one exit, and its summary gives each the exit status
+# it had then. A rank whose collective broke because a peer failed waits this long before it
+# exits, so that the peer that failed ends with its own status, not stopped by torchrun while
+# it still writes its report (its error file already says what happened here).
+CASUALTY_EXIT_DELAY_S = 2.0
 
 
 def output_dir_of(environ=os.environ) -> str:
@@ -78,6 +86,8 @@ def main(argv: list[str]) -> int:
         errors.record_exception(e)
         print(traceback.format_exc(), file=sys.stderr)
         _report_failure(spec, rank, e, wall_s=time.perf_counter() - t0)
+        if is_casualty(f"{type(e).__name__}: {e}"):
+            time.sleep(CASUALTY_EXIT_DELAY_S)
         return EXIT_ERROR
     result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=time.perf_counter() - t0)
     if rank_result.get("reporting"):  # the comparing rank reports for the run

@@ -181,6 +181,30 @@ class ExitOnRank1(TorchTP):
         return super().__call__(ctx, tensors)
 
 
+class Rank1DiesThenRank0Fails(TorchTP):
+    """Rank 1 ends at once; rank 0 takes a moment before it raises an error of its own (a
+    peer still writing its report when the first death is seen)."""
+
+    def __call__(self, ctx, tensors):
+        if ctx.rank == 1:
+            os._exit(3)
+        time.sleep(0.5)
+        raise ValueError("rank 0's own error, reported after its peer died")
+
+
+class SlowToExitOnRank1(TorchTP):
+    """Rank 1 raises; on its way out it closes its connections at once and then takes a second
+    to end (a slow teardown), so its peer's collective breaks well before rank 1 has exited."""
+
+    def __call__(self, ctx, tensors):
+        if ctx.rank == 1:
+            import atexit
+
+            atexit.register(lambda: (dist.destroy_process_group(), time.sleep(1.0)))
+            raise ValueError("rank 1's own error")
+        return super().__call__(ctx, tensors)
+
+
 class InterruptOnRank1(TorchTP):
     """Rank 1's implementation raises KeyboardInterrupt itself (no signal was sent)."""
 

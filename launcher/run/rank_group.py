@@ -39,6 +39,10 @@ from launcher.run import devices, rank_server
 KEEP_GROUPS = 4  # warm groups kept at once (least recently used first out)
 _POLL_S = 0.05
 _STOP_GRACE_S = 2.0  # SIGTERM first, then SIGKILL
+# After a rank's death, how long the ranks still in the job may take to end on their own. A
+# peer whose collective broke records its own error before it exits; stopped while it writes,
+# its report is lost, and with it, where that peer was the root cause, the run's blame.
+_PEERS_GRACE_S = 2.0
 # How often the console's tee of rank 0 looks for new lines. Its stop at a job's end waits up
 # to one poll: torch's default of 0.1 s cost every job a tenth of a second.
 _TEE_POLL_S = 0.01
@@ -133,7 +137,8 @@ class RankGroup:
                     if on_rank_done is not None:
                         on_rank_done(rank)
             dead = [sentinels[s] for s in ready if s in sentinels]
-            if dead:  # every rank that ended by itself so far; the others are stopped
+            if dead:  # every rank that ended by itself so far or within the grace; the others are stopped
+                dead += _ending_on_their_own({s: r for s, r in sentinels.items() if r not in dead})
                 failures = []
                 for rank in dead:
                     proc = self.procs[rank]
@@ -182,6 +187,17 @@ class RankGroup:
         for conn in self.conns:
             conn.close()
         self.conns = []
+
+
+def _ending_on_their_own(running: dict) -> list[int]:
+    """The ranks of `running` (sentinel -> rank) that end within `_PEERS_GRACE_S`; returns as
+    soon as all have ended."""
+    ended = []
+    deadline = time.monotonic() + _PEERS_GRACE_S
+    while running and (left := deadline - time.monotonic()) > 0:
+        for sentinel in multiprocessing.connection.wait(list(running), timeout=left):
+            ended.append(running.pop(sentinel))
+    return ended
 
 
 @contextmanager

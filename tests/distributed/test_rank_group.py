@@ -67,3 +67,17 @@ def test_closing_the_pool_lets_every_groups_ranks_leave_on_their_own(tmp_path, p
     procs = [p for group in kept for p in group.procs]
     assert not any(p.is_alive() for p in procs)
     assert all(p.exitcode >= 0 for p in procs), [p.exitcode for p in procs]  # none ended by a signal
+
+
+def test_the_ranks_still_in_a_job_may_end_on_their_own_after_a_peer_died(tmp_path, pool):
+    """Rank 1 dies first; rank 0 raises its own error half a second later. It is let end by
+    itself and its report is read (stopped at rank 1's death, its report would be lost)."""
+    spec = _spec(tmp_path, "tp=2", "impl._target_=tests.defects.Rank1DiesThenRank0Fails")
+    group = pool.take(spec)
+    results, failures = group.run(spec, "run", str(tmp_path / "logs"))
+    assert results is None
+    by_rank = {f.local_rank: f for f in failures}
+    assert sorted(by_rank) == [0, 1]
+    assert by_rank[1].exitcode == 3
+    assert by_rank[0].exitcode == 1  # its own exit, not a stop's signal
+    assert "rank 0's own error" in str(by_rank[0].message)

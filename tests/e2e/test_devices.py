@@ -132,6 +132,22 @@ def test_a_failing_rank_under_torchrun_reports_as_under_the_launcher(tmp_path):
     assert "VERDICT: ERROR" in p.stdout
 
 
+def test_under_torchrun_the_failing_rank_ends_with_its_own_status_however_slow_its_exit(tmp_path):
+    """Rank 1 fails and is slow to exit after its connections closed: rank 0, whose collective
+    broke, must not exit first (torchrun would then stop rank 1 and show its status as -15)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    p = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun-logs"),
+         "-m", "launcher.torchrun", "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
+         "impl=tests.defects.SlowToExitOnRank1", "timeout_s=30"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO), DSV4_OUTPUT_DIR=str(tmp_path / "out")),
+        capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    summary = p.stderr[p.stderr.index("Root Cause"):]
+    assert "rank      : 1" in summary and "exitcode  : 2" in summary, summary
+    assert "rank 1's own error" in summary
+
+
 @pytest.mark.parametrize("message", [
     "RuntimeError: [Rank 0] Timed out in allreduce after 20000 ms",  # gloo
     "EI0002: The wait execution of the Notify register times out. Reason: ...",  # HCCL notify wait
