@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -52,7 +51,7 @@ def run_mode_of(argv: list[str]) -> RunMode:
     return RunMode.MULTIRUN if args.multirun else RunMode.RUN
 
 
-@contextmanager
+@contextlib.contextmanager
 def composed_once(argv: list[str]) -> Iterator[None]:
     """Within the block, Hydra's entry composes the primary config of `argv` once."""
     hydra_get_mode = getattr(Hydra, "get_mode", None)
