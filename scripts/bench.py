@@ -15,7 +15,8 @@ cache would turn the golden stage into a file read; `flash` also measures a warm
 timed from process start to exit. The machine is shared and noisy: each figure is the minimum
 over `--repeats` runs, and the two sides of a ratio are measured alternately in the same
 invocation, so they see the same load.
-Stage walls come from the ranks' progress events (first start to last done over all ranks);
+Stage walls come from the ranks' progress events (first start to last done over all ranks),
+and so do the phases of a run or a sweep (a sweep is cut at each job's first and last event);
 per-rank peak RSS is the VmHWM of each rank process, sampled from /proc while it runs (ranks
 are told apart by the per-rank stdout log their fd 1 points to). Results go to stdout as
 Markdown tables and to `<out>/bench.json`; `scaling` also writes `<out>/scaling.png`, drawn
@@ -87,6 +88,30 @@ class Run:
                 "exit": self.started + self.wall_s - last}
 
 
+@dataclass
+class SweepRun:
+    """One `python -m launcher -m ...` process: its wall time and each job's stage events."""
+
+    wall_s: float
+    started: float  # time.time() just before the process was started
+    jobs: list[list[dict]]  # the stage events of every job, in job order
+
+    def phases(self) -> dict[str, float]:
+        """The sweep cut at each job's first and last rank events: start-up (imports, every
+        job's composition, the first job's ranks), the jobs' stages, the launcher's time
+        between two jobs (a job's report, the next one's Hydra set-up, preflight and hand-off
+        to its ranks) and the exit."""
+        spans = [(min(e["t"] for e in events), max(e["t"] for e in events)) for events in self.jobs]
+        return {"start-up": spans[0][0] - self.started, "stages": sum(hi - lo for lo, hi in spans),
+                "between jobs": sum(nxt[0] - cur[1] for cur, nxt in zip(spans, spans[1:])),
+                "exit": self.started + self.wall_s - spans[-1][1]}
+
+
+def _events(out_dir: str) -> list[dict]:
+    return [json.loads(line) for p in glob.glob(os.path.join(out_dir, "progress", "rank*.jsonl"))
+            for line in open(p) if line.strip()]
+
+
 def _proc_children(pid: int) -> list[int]:
     kids = []
     for path in glob.glob(f"/proc/{pid}/task/*/children"):
@@ -154,9 +179,17 @@ def run_launcher(out_dir: str, overrides: list[str], sample_rss: bool = False, g
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; log {log}:\n{tail}")
     with open(os.path.join(out_dir, "result.json")) as f:
         result = json.load(f)
-    events = [json.loads(line) for p in glob.glob(os.path.join(out_dir, "progress", "rank*.jsonl"))
-              for line in open(p) if line.strip()]
-    return Run(wall_s=wall, started=started, result=result, events=events, peak_rss=peaks)
+    return Run(wall_s=wall, started=started, result=result, events=_events(out_dir), peak_rss=peaks)
+
+
+def run_sweep(sweep_dir: str, overrides: list[str]) -> SweepRun:
+    """`python -m launcher -m <overrides>` end to end, the golden cache off; every job must PASS."""
+    cmd = [sys.executable, "-m", "launcher", "-m", *overrides, "golden_cache=null", f"hydra.sweep.dir={sweep_dir}"]
+    started, t0 = time.time(), time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    jobs = sorted((d for d in os.listdir(sweep_dir) if d.isdigit()), key=int)
+    return SweepRun(wall_s=wall, started=started, jobs=[_events(os.path.join(sweep_dir, d)) for d in jobs])
 
 
 def timed(cmd: list[str], **kw) -> float:
@@ -204,17 +237,16 @@ def bench_launch(tmp: str, repeats: int) -> dict:
 def bench_sweep(tmp: str, repeats: int) -> dict:
     """`python -m launcher -m +sweep=smoke` (six tiny jobs) vs one tiny SWA tp=8 run, and the
     same sweep on fresh rank processes for every job (`warm_ranks=false`), alternated."""
-    def sweep(name: str, *extra: str) -> float:
-        return timed([sys.executable, "-m", "launcher", "-m", "+sweep=smoke", "golden_cache=null", *extra,
-                      f"hydra.sweep.dir={os.path.join(tmp, name)}"], cwd=ROOT)
-
     one, warm, cold = [], [], []
     for i in range(repeats):
         one.append(run_launcher(os.path.join(tmp, f"one{i}"), case_keys("swa", "tiny", 8)).wall_s)
-        warm.append(sweep(f"warm{i}"))
-        cold.append(sweep(f"cold{i}", "warm_ranks=false"))
-    return {"one_s": min(one), "warm_s": min(warm), "cold_s": min(cold), "one_all_s": one, "warm_all_s": warm,
-            "cold_all_s": cold, "ratio": min(warm) / min(one), "target": 1.5, "cold_ratio": min(cold) / min(one)}
+        warm.append(run_sweep(os.path.join(tmp, f"warm{i}"), ["+sweep=smoke"]))
+        cold.append(run_sweep(os.path.join(tmp, f"cold{i}"), ["+sweep=smoke", "warm_ranks=false"]))
+    best_warm, best_cold = min(warm, key=lambda r: r.wall_s), min(cold, key=lambda r: r.wall_s)
+    return {"one_s": min(one), "warm_s": best_warm.wall_s, "cold_s": best_cold.wall_s, "one_all_s": one,
+            "warm_all_s": [r.wall_s for r in warm], "cold_all_s": [r.wall_s for r in cold],
+            "ratio": best_warm.wall_s / min(one), "target": 1.5, "cold_ratio": best_cold.wall_s / min(one),
+            "phases": best_warm.phases()}
 
 
 def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) -> dict:
@@ -557,6 +589,14 @@ def report_sweep(r: dict) -> str:
         [f"**ratio** sweep / one run (target <= {r['target']})", f"**{r['ratio']:.2f}**"],
         ["ratio with fresh ranks per job", f"{r['cold_ratio']:.2f}"],
     ]
+    ph = r.get("phases")  # bench.json of a version before the breakdown has none
+    if ph:
+        rows += [
+            ["sweep: start-up (imports, every job's composition, the first job's ranks)", f"{ph['start-up']:.2f}"],
+            ["sweep: the jobs' ranks' stages (fixture .. compare), summed", f"{ph['stages']:.2f}"],
+            ["sweep: between two jobs (a report, the next job's set-up and hand-off), summed", f"{ph['between jobs']:.2f}"],
+            ["sweep: exit", f"{ph['exit']:.2f}"],
+        ]
     return _table(["sweep", "wall s (min)"], rows)
 
 
