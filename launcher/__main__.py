@@ -40,11 +40,14 @@ def _status(code) -> int:
 def run() -> None:
     """`python -m launcher` and the `dsv4-tp-harness` console script."""
     atexit.register(_skip_teardown)  # first registered (before multiprocessing's), last run
+    from launcher.run import import_gc  # the collector paused until the imports below are done
     from launcher.run import forkserver
 
     if _launches_by_forkserver(sys.argv[1:]):
         forkserver.start()  # its torch import overlaps the launcher's own imports below
     from launcher.cli import main
+
+    import_gc.resume()
 
     try:
         main()

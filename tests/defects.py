@@ -205,6 +205,19 @@ class SlowToExitOnRank1(TorchTP):
         return super().__call__(ctx, tensors)
 
 
+class RecordsGarbageCollector(TorchTP):
+    """Not a defect, a probe: writes whether the rank's garbage collector is on and how many
+    objects it has frozen to `$DSV4_TEST_GC_STATE.rank<r>`, then runs the layer."""
+
+    def __call__(self, ctx, tensors):
+        import gc
+        import json
+
+        with open(f"{os.environ['DSV4_TEST_GC_STATE']}.rank{ctx.rank}", "w") as f:
+            json.dump([gc.isenabled(), gc.get_freeze_count()], f)
+        return super().__call__(ctx, tensors)
+
+
 class InterruptOnRank1(TorchTP):
     """Rank 1's implementation raises KeyboardInterrupt itself (no signal was sent)."""
 

@@ -16,8 +16,9 @@ import threading
 from launcher.run import lifeline
 
 # Imported by the forkserver once, so that each rank starts without re-importing torch; the
-# first arms the server to die with the launcher, the last works out what every rank needs.
-PRELOAD = ["launcher.run.lifeline", "torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "launcher.run.rank_server", "layers.registry", "layers.tp",
+# first pauses the garbage collector for the imports, the second arms the server to die with
+# the launcher, the last works out what every rank needs and resumes the collector.
+PRELOAD = ["launcher.run.import_gc", "launcher.run.lifeline", "torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "launcher.run.rank_server", "layers.registry", "layers.tp",
            "layers.stages", "launcher.verify.bisect", "launcher.run.rank_preload"]
 
 # MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and
