@@ -16,6 +16,9 @@ itself exits 1 whenever a worker fails.)
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a worker process of its own: it imports with the collector paused
+    from launcher.run import import_gc
+
 import datetime
 import os
 import sys
@@ -130,4 +133,5 @@ def _report_failure(spec: RunSpec, rank: int, exc: BaseException, *, wall_s: flo
 
 
 if __name__ == "__main__":
+    import_gc.resume()
     sys.exit(main(sys.argv[1:]))

@@ -132,6 +132,24 @@ def test_a_failing_rank_under_torchrun_reports_as_under_the_launcher(tmp_path):
     assert "VERDICT: ERROR" in p.stdout
 
 
+def test_a_torchrun_worker_collects_garbage_again_once_its_imports_are_done(tmp_path):
+    """`python -m launcher.torchrun` imports with the collector paused (`launcher.run.import_gc`)
+    and runs the job with it on again and the imports' objects frozen."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    state = tmp_path / "gc"
+    p = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun-logs"),
+         "-m", "launcher.torchrun", "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
+         "impl=tests.defects.RecordsGarbageCollector"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO), DSV4_OUTPUT_DIR=str(tmp_path / "out"),
+                               DSV4_TEST_GC_STATE=str(state)),
+        capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for rank in (0, 1):
+        enabled, frozen = json.loads((tmp_path / f"gc.rank{rank}").read_text())
+        assert enabled and frozen > 10_000, (rank, enabled, frozen)
+
+
 def test_under_torchrun_the_failing_rank_ends_with_its_own_status_however_slow_its_exit(tmp_path):
     """Rank 1 fails and is slow to exit after its connections closed: rank 0, whose collective
     broke, must not exit first (torchrun would then stop rank 1 and show its status as -15)."""
