@@ -287,6 +287,21 @@ def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
     assert _png_size(plots.png(fig))[0] == 1200
 
 
+def test_bench_sweep_phases_cut_at_each_jobs_first_and_last_event(monkeypatch):
+    """scripts/bench.py's sweep breakdown: start-up, the jobs' stages, between jobs, exit."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    ev = lambda t: {"t": t}  # noqa: E731
+    run = bench.SweepRun(wall_s=10.0, started=100.0, jobs=[[ev(102.0), ev(101.5), ev(103.0)], [ev(103.5), ev(106.0)]])
+    phases = run.phases()
+    assert phases == {"start-up": 1.5, "stages": 4.0, "between jobs": 0.5, "exit": 4.0}
+    assert sum(phases.values()) == run.wall_s
+
+
 def test_console_report_of_a_node_without_rank_0():
     """A node other than 0 prints rank 0's verdict (the name `verdict` is the rule, not a local)."""
     result = {**_failing_result(), "verdicts": [], "compared_on_node": 0, "node_rank": 1, "passed": True}
