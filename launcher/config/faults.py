@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from layers.contract.config import ConfigError
 
-from launcher.config.rank_stages import FAULT_STAGES, ROOT_ONLY_STAGES
+from launcher.config.rank_stages import FAULT_STAGES
 
 KINDS = ("raise", "exit", "hang", "nan", "corrupt")
 OUTPUT_KINDS = ("nan", "corrupt")  # faults in the implementation's outputs, not in the process
@@ -36,8 +36,6 @@ class Fault:
             raise ConfigError(f"fault.kind={self.kind} corrupts the layer's outputs: it needs fault.stage=layer")
         if self.stage in absent:
             raise ConfigError(f"fault.stage={self.stage} never runs without {absent[self.stage]}")
-        if self.stage in ROOT_ONLY_STAGES and self.rank != 0:
-            raise ConfigError(f"fault.stage={self.stage} runs on rank 0 alone, not on fault.rank={self.rank}")
 
 
 def check_unset(rank: int, stage: str, tp: int) -> None:

@@ -1,7 +1,7 @@
 """The stages every rank runs, in order: the one list of their names.
 
 A rank's run (`launcher.run.worker`) is fixture -> [golden] -> [save] -> layer -> gather ->
-[bench] -> [compare (rank 0)] -> [bisect]. These names are the keys of result.json's `rank_seconds`, the
+[bench] -> [compare] -> [bisect]. These names are the keys of result.json's `rank_seconds`, the
 `stage` of a rank's progress events and of a failure report, the values `fault.stage` accepts,
 and the cells of the console's stages line, in this order.
 
@@ -12,8 +12,6 @@ which bisect walks inside the rank stage "bisect".
 from __future__ import annotations
 
 RANK_STAGES = ("fixture", "golden", "save", "layer", "gather", "bench", "compare", "bisect")
-# Rank 0 alone compares (it holds the gathered tensors); every other stage runs on all ranks.
-ROOT_ONLY_STAGES = frozenset({"compare"})
 # Where a fault may be placed: not in bisect, which runs only after a comparison failed, so a
 # smoke test's fault there would never fire on a passing run.
 FAULT_STAGES = RANK_STAGES[:-1]

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from launcher.config.rank_stages import RANK_STAGES, ROOT_ONLY_STAGES
+from launcher.config.rank_stages import RANK_STAGES
 
 POLL_S = 0.2
 _CLEAR_LINE = "\r\x1b[2K"
@@ -161,8 +161,8 @@ def _stage_key(name: str) -> tuple[int, str]:
 class StageWatcher:
     """Follows the ranks' stage events of one run while it runs (a context manager).
 
-    `expected_ranks` is the run's tp: a stage counts as finished when every rank that runs it
-    (rank 0 alone for `ROOT_ONLY_STAGES`) reported it done.
+    `expected_ranks` is the run's number of ranks: a stage counts as finished when every rank
+    reported it done.
     """
 
     def __init__(self, output_dir: str, expected_ranks: int, label: str, display: Display = DISPLAY,
@@ -218,12 +218,11 @@ class StageWatcher:
             st.last_t = t if st.last_t is None else max(st.last_t, t)
         for name in sorted(self.stages, key=_stage_key):
             st = self.stages[name]
-            need = 1 if name in ROOT_ONLY_STAGES else self.ranks
-            if len(st.done) >= need and (name, "done") not in self._reported:
+            if len(st.done) >= self.ranks and (name, "done") not in self._reported:
                 self._reported.add((name, "done"))
                 span = (st.last_t or 0.0) - (st.first_t or 0.0)
-                self.display.line(f"{self._prefix()}{self.label}: {name} done on {len(st.done)}/{need} "
-                                  f"rank{'s' if need > 1 else ''} ({span:.2f}s)")
+                self.display.line(f"{self._prefix()}{self.label}: {name} done on {len(st.done)}/{self.ranks} "
+                                  f"rank{'s' if self.ranks > 1 else ''} ({span:.2f}s)")
             for rank in sorted(st.failed):
                 if (name, f"failed{rank}") not in self._reported:
                     self._reported.add((name, f"failed{rank}"))
@@ -237,7 +236,6 @@ class StageWatcher:
         cells = []
         for name in sorted(self.stages, key=_stage_key):
             st = self.stages[name]
-            need = 1 if name in ROOT_ONLY_STAGES else self.ranks
             mark = " FAILED" if st.failed else ""
-            cells.append(f"{name} {len(st.done)}/{need}{mark}")
+            cells.append(f"{name} {len(st.done)}/{self.ranks}{mark}")
         return f"{self._prefix()}{self.label}  " + "  ".join(cells) + f"  {time.time() - self._t0:.1f}s"

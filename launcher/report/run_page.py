@@ -257,7 +257,7 @@ def _stage_times(result: dict) -> list[str]:
     head = ["rank", *stages, "total", "peak RSS MiB"]
     return ["<h2>stage times per rank</h2>",
             svg_figure(lambda: svg.stage_times(secs), "stage times per rank",
-                   "seconds each rank spent in each of its stages (rank 0 alone compares)"),
+                   "seconds each rank spent in each of its stages"),
             table(head, rows, numeric=range(1, len(head)), attrs='id="stage-times"')]
 
 

@@ -4,13 +4,15 @@ Runs in every process the elastic agent starts (or under an external torchrun, w
 same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order
 (`launcher.config.rank_stages`):
 
-    fixture -> golden -> [save] -> layer -> gather -> compare (rank 0) -> [bisect]
+    fixture -> golden -> [save] -> layer -> gather -> compare -> [bisect]
 
 The golden of a rank's shard (the single-device layer on that rank's tensors with the full O
 weights, spec validation.md §5.3) is computed on that rank, in parallel with the others, from
 clones taken before the implementation runs, with the same thread count: the per-rank front of
 the layer is then bit-identical between golden and implementation, and only the output half
-differs by fp32 summation order. Rank 0 gathers actual and golden outputs and compares.
+differs by fp32 summation order. Each of the layer's checks is judged whole on a rank of its
+own (`launcher.run.judging`: every rank sends its shards of the check's tensors there), and
+rank 0 collects the verdicts.
 A golden that fails on any rank stops every rank before the implementation runs.
 With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
 slice); `recompute_golden` adds the computed golden as a second reference.
@@ -50,13 +52,12 @@ from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
 from launcher.config.tolerance import fails_the_run
-from launcher.run import bench, devices, faults, forkserver, lifeline, nodes, watchdog
+from launcher.run import bench, devices, faults, forkserver, judging, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.store import golden_cache, snapshot
-from launcher.verify import bisect, where
+from launcher.verify import bisect
 from launcher.verify.base import initial_key
-from launcher.verify.build import build_comparator
-from launcher.verify.integrity import golden_nonfinite, integrity_checks
+from launcher.verify.integrity import golden_nonfinite
 
 log = logging.getLogger("launcher.run.worker")
 
@@ -296,32 +297,6 @@ def cached_group_golden(spec: RunSpec, layer, ctx: RankContext, inputs) -> tuple
     return outputs, f"not written: {problem}" if problem else None
 
 
-def compare(case, tolerances, layer, actual: dict, golden: dict, context: dict,
-            integrity_on: bool) -> tuple[list[dict], list[dict]]:
-    """`(verdicts, integrity checks)`: every check of the layer in its validation order, on one
-    group's stacked [size, ...] tensors, with the run's tolerances (a diagnostic check is judged
-    and reported, and never fails the run), and the integrity checks beside them (none when
-    `integrity_on` is False)."""
-    inputs = dict(context)  # slot mappings and, under initial_key(name), the pre-step pools
-    inputs["local_t"] = torch.tensor(case.local_t, dtype=torch.int32)
-    verdicts, integrity = [], []
-    for default in layer.checks(case):
-        check, overridden = tolerances.apply(default)
-        a, e = actual[check.output], golden[check.output]
-        cmp = build_comparator(check, mapping_shape=(case.group_size, case.local_t), leading_rank_axis=True)
-        v = cmp.evaluate(a, e, inputs=inputs, actual_outputs=actual, expected_outputs=golden)
-        verdict = {"tensor": check.output, **v.to_dict(), "diagnostic": check.output in tolerances.diagnostic,
-                   "overridden": overridden}
-        found = integrity_checks(check, a, e, inputs) if integrity_on else []
-        if not v.passed or not all(c.passed for c in found):
-            # where the errors are: per rank x row block / head group / page
-            verdict["where"] = where.error_maps(check.output, check, a, e, inputs, seq=case.seq)
-        verdict["tally"] = where.tally(verdict, check, a.shape)
-        verdicts.append(verdict)
-        integrity += [c.to_dict() for c in found]
-    return verdicts, integrity
-
-
 def rank_main(spec: RunSpec):
     """A rank in a process of its own (the elastic agent's, or an external torchrun's): join
     the world, run the one job, leave."""
@@ -405,7 +380,8 @@ def stop_unless_every_reference_was_made(failure: Exception | None, rank: int, w
 
 def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     """One rank's run; `layout` places it in its TP group, `group` is that group's process
-    group. Everything the harness gathers goes to global rank 0 over the world group."""
+    group. The harness's gathers (a snapshot's to global rank 0, each compared tensor's to
+    its judge) go over the world group."""
     case = spec.case.of_group(layout.group)
     rank, grank, world = layout.rank, layout.group_rank, layout.world
     layer = spec.layer
@@ -475,13 +451,17 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         del pure_tensors
     with timer.stage("gather"):
         if not spec.bench:
-            del tensors  # what the outputs do not alias is freed before rank 0 stacks
+            del tensors  # what the outputs do not alias is freed before the judges stack
         del inputs
         release_freed_memory()  # glibc keeps freed heap resident; the stacks are new mappings
-        actual = gather_to_rank0(outputs, compared, rank, world, device)
-        del outputs
-        expected = {src: gather_to_rank0(ref, compared, rank, world, device) for src, ref in references.items()}
-        context = gather_to_rank0(context, sorted(context), rank, world, device)
+        held = {}
+        if references:
+            assignments = judging.plan(layer.checks(case), context, specs, len(references), world)
+            on_device = lambda ts: {n: t.detach().to(device) for n, t in ts.items()}  # noqa: E731
+            held = judging.send_to_judges(assignments, on_device(outputs),
+                                          {src: on_device(ref) for src, ref in references.items()},
+                                          on_device(context), rank, world)
+        del outputs, context
     bench_figures = None
     if spec.bench:
         with timer.stage("bench"):
@@ -496,20 +476,19 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                 bench_figures = bench.summarize(spec.bench, every)
                 if trace:
                     bench_figures["profiles"] = [os.path.join("profile", f"rank{r}.json") for r in range(world)]
+    judged = []
+    if spec.golden:
+        with timer.stage("compare"):
+            cases = [spec.case.of_group(g) for g in range(layout.dp)]
+            judged = judging.judge(held, cases, layer.checks, spec.tolerances, layout, spec.integrity)
+        del held
     stats = [None] * world if rank == 0 else None
     dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib(),
-                        "cpus": devices.cpu_affinity()}, stats, dst=0)
+                        "cpus": devices.cpu_affinity(), "judged": judged}, stats, dst=0)
     comparisons = integrity = None
-    if rank == 0 and spec.golden:
-        with timer.stage("compare"):
-            actual_g, context_g = by_group(actual, layout), by_group(context, layout)
-            expected_g = {src: by_group(e, layout) for src, e in expected.items()}
-            comparisons, integrity = [], []  # by group: {reference: verdicts}, {reference: checks}
-            for g in range(layout.dp):
-                judged = {src: compare(spec.case.of_group(g), spec.tolerances, layer, actual_g[g], expected_g[src][g], context_g[g],
-                                       spec.integrity) for src in expected}
-                comparisons.append({src: vs for src, (vs, _) in judged.items()})
-                integrity.append({src: cs for src, (_, cs) in judged.items()} if spec.integrity else None)
+    if rank == 0 and spec.golden:  # by group: {reference: verdicts}, {reference: checks}
+        comparisons, integrity = judging.collect([s.pop("judged") for s in stats], layout.dp, list(references),
+                                                 spec.integrity)
     # Every rank learns the verdict (None: nothing was compared), so every node exits with rank
     # 0's verdict code: the reference verdicts and the integrity checks beside them.
     verdict = [_passed(comparisons, integrity) if comparisons is not None else None]
@@ -529,7 +508,6 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                 located = [located[g * layout.tp] for g in range(layout.dp)]
     if rank != 0:
         return {"reporting": False, "passed": verdict[0], "comparisons": None}
-    stats[0].update(seconds=timer.seconds, peak_rss_mib=peak_rss_mib())  # rank 0 went on to compare
     return {
         "reporting": True,  # rank 0: compared and holds every rank's figures
         "passed": verdict[0],

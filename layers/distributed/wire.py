@@ -9,6 +9,8 @@ tp = 1 runs never need it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -101,6 +103,36 @@ def gather(t: torch.Tensor, rank: int, world: int, group=None, dst: int = 0) -> 
     return stacked.cpu().view(t.dtype).reshape(world, *t.shape)
 
 
+def gather_each(sends: Sequence[tuple[torch.Tensor, int]], rank: int, world: int, group=None) -> list[torch.Tensor | None]:
+    """`gather` of several tensors, each to a rank of its own: `sends` lists `(t, dst)` in the
+    same order on every rank (the same shapes and dtypes); the answer holds, in that order,
+    the stacked `[P, ...]` tensor (CPU) where `dst` is this rank and None elsewhere.
+
+    On gloo every message is posted before any is waited for, so the destinations receive
+    side by side; on other backends it is one `gather` after another.
+    """
+    if world == 1 or _backend(group) != "gloo":
+        return [gather(t, rank, world, group, dst) for t, dst in sends]
+    import torch.distributed as dist
+
+    stacks, pending, wires = [], [], []  # the wires live until every message is through
+    for tag, (t, dst) in enumerate(sends):
+        wire = _bytes(t)
+        wires.append(wire)
+        if rank == dst:
+            stacked = torch.empty((world, wire.numel()), dtype=torch.uint8)
+            stacked[dst].copy_(wire)
+            pending += [dist.irecv(stacked[src], src=_global(group, src), group=group, tag=tag)
+                        for src in range(world) if src != dst]
+            stacks.append(stacked.view(t.dtype).reshape(world, *t.shape))
+        else:
+            pending.append(dist.isend(wire, dst=_global(group, dst), group=group, tag=tag))
+            stacks.append(None)
+    for work in pending:
+        work.wait()
+    return stacks
+
+
 def broadcast(t: torch.Tensor | None, shape, dtype: torch.dtype, rank: int, world: int, group=None,
               src: int = 0) -> torch.Tensor:
     """Rank `src`'s tensor `t` (of `shape`, `dtype`; None on the other ranks) on every rank."""
@@ -114,10 +146,16 @@ def broadcast(t: torch.Tensor | None, shape, dtype: torch.dtype, rank: int, worl
     return out
 
 
+def _backend(group) -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend(group)
+
+
 def _global(group, rank: int) -> int:
     import torch.distributed as dist
 
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
-__all__ = ["all_to_all", "all_to_all_v", "all_gather", "gather", "broadcast"]
+__all__ = ["all_to_all", "all_to_all_v", "all_gather", "gather", "gather_each", "broadcast"]

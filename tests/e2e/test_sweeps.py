@@ -236,9 +236,13 @@ def test_the_status_line_is_cut_to_the_terminals_width(monkeypatch):
     assert shown == "[3/12] csa flash tp=8 local_t"  # 29 columns: the cursor never reaches the last one
 
 
-def test_compare_runs_on_rank_0_alone(tmp_path):
+def test_compare_is_done_when_every_rank_judged(tmp_path):
+    # Every rank judges its share of the checks: rank 0's compare alone is not the stage's end.
     stream = _Stream(False)
-    watcher = progress.StageWatcher(str(tmp_path), 4, "x", display=progress.Display(stream), poll_s=60)
+    watcher = progress.StageWatcher(str(tmp_path), 2, "x", display=progress.Display(stream), poll_s=60)
     _events(tmp_path, 0, ("compare", "start", 1.0), ("compare", "done", 1.25))
     watcher.poll()
-    assert stream.getvalue() == "x: compare done on 1/1 rank (0.25s)\n"
+    assert stream.getvalue() == ""
+    _events(tmp_path, 1, ("compare", "start", 1.0), ("compare", "done", 1.5))
+    watcher.poll()
+    assert stream.getvalue() == "x: compare done on 2/2 ranks (0.50s)\n"
