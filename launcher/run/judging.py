@@ -76,24 +76,22 @@ def plan(checks: Sequence[Check], context_names: Collection[str], specs: Mapping
 
 def send_to_judges(assignments: Sequence[Assignment], actual: Mapping[str, torch.Tensor],
                    references: Mapping[str, Mapping[str, torch.Tensor]], context: Mapping[str, torch.Tensor],
-                   rank: int, world: int) -> dict[int, tuple[dict, dict, dict]]:
-    """This rank's shards of every check's tensors to the check's judge; what this rank judges,
-    stacked `[world, ...]`: {index: (actual, {reference: expected}, context)}."""
-    sends, keys = [], []
+                   rank: int, world: int, device: torch.device) -> dict[int, tuple[dict, dict, dict]]:
+    """This rank's shards of every check's tensors to the check's judge (over the world group,
+    from `device`); what this rank judges, stacked `[world, ...]` on the CPU:
+    {index: (actual, {reference: expected}, context)}."""
+    messages = []  # (check, side, tensor name, this rank's shard)
     for a in assignments:
-        sends.append((actual[a.output], a.judge))
-        keys.append((a.index, "actual", a.output))
-        for source, reference in references.items():
-            sends.append((reference[a.output], a.judge))
-            keys.append((a.index, source, a.output))
-        for name in a.context:
-            sends.append((context[name], a.judge))
-            keys.append((a.index, "context", name))
+        messages.append((a, "actual", a.output, actual[a.output]))
+        messages += [(a, source, a.output, reference[a.output]) for source, reference in references.items()]
+        messages += [(a, "context", name, context[name]) for name in a.context]
+    # One tensor on the device at a time where the backend gathers one after another.
+    sends = ((t.detach().to(device), a.judge) for a, _, _, t in messages)
     held: dict[int, tuple[dict, dict, dict]] = {a.index: ({}, {}, {}) for a in assignments if a.judge == rank}
-    for (index, side, name), stacked in zip(keys, wire.gather_each(sends, rank, world)):
+    for (a, side, name, _), stacked in zip(messages, wire.gather_each(sends, rank, world)):
         if stacked is None:
             continue
-        mine, expected, ctx = held[index]
+        mine, expected, ctx = held[a.index]
         if side == "actual":
             mine[name] = stacked
         elif side == "context":

@@ -457,10 +457,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         held = {}
         if references:
             assignments = judging.plan(layer.checks(case), context, specs, len(references), world)
-            on_device = lambda ts: {n: t.detach().to(device) for n, t in ts.items()}  # noqa: E731
-            held = judging.send_to_judges(assignments, on_device(outputs),
-                                          {src: on_device(ref) for src, ref in references.items()},
-                                          on_device(context), rank, world)
+            held = judging.send_to_judges(assignments, outputs, references, context, rank, world, device)
         del outputs, context
     bench_figures = None
     if spec.bench:

@@ -9,7 +9,7 @@ tp = 1 runs never need it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -103,13 +103,14 @@ def gather(t: torch.Tensor, rank: int, world: int, group=None, dst: int = 0) -> 
     return stacked.cpu().view(t.dtype).reshape(world, *t.shape)
 
 
-def gather_each(sends: Sequence[tuple[torch.Tensor, int]], rank: int, world: int, group=None) -> list[torch.Tensor | None]:
-    """`gather` of several tensors, each to a rank of its own: `sends` lists `(t, dst)` in the
+def gather_each(sends: Iterable[tuple[torch.Tensor, int]], rank: int, world: int, group=None) -> list[torch.Tensor | None]:
+    """`gather` of several tensors, each to a rank of its own: `sends` yields `(t, dst)` in the
     same order on every rank (the same shapes and dtypes); the answer holds, in that order,
     the stacked `[P, ...]` tensor (CPU) where `dst` is this rank and None elsewhere.
 
     On gloo every message is posted before any is waited for, so the destinations receive
-    side by side; on other backends it is one `gather` after another.
+    side by side; on other backends it is one `gather` after another, each tensor taken from
+    `sends` only when its turn comes.
     """
     if world == 1 or _backend(group) != "gloo":
         return [gather(t, rank, world, group, dst) for t, dst in sends]
