@@ -31,10 +31,10 @@ from contextlib import ExitStack, contextmanager
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from launcher.config.spec import RunSpec
 from launcher.run import devices, rank_server
+from launcher.run.tee import Tee
 
 KEEP_GROUPS = 4  # warm groups kept at once (least recently used first out)
 _POLL_S = 0.05
@@ -43,8 +43,7 @@ _STOP_GRACE_S = 2.0  # SIGTERM first, then SIGKILL
 # peer whose collective broke records its own error before it exits; stopped while it writes,
 # its report is lost, and with it, where that peer was the root cause, the run's blame.
 _PEERS_GRACE_S = 2.0
-# How often the console's tee of rank 0 looks for new lines. Its stop at a job's end waits up
-# to one poll: torch's default of 0.1 s cost every job a tenth of a second.
+# How often the console's tee of rank 0 looks for new lines (its end at a job's end does not wait).
 _TEE_POLL_S = 0.01
 
 
@@ -219,16 +218,10 @@ def _interrupts_raise():
             signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: not set from Python
 
 
-@contextmanager
-def _tee_rank0(log_dir: str):
+def _tee_rank0(log_dir: str) -> Tee:
     """Rank 0's stdout and stderr on the console too, line by line as the elastic agent tees them."""
-    tails = [TailLog("rank", {0: os.path.join(log_dir, name)}, dst, {0: "[rank0]:"}, interval_sec=_TEE_POLL_S).start()
-             for name, dst in (("stdout.log", sys.stdout), ("stderr.log", sys.stderr))]
-    try:
-        yield
-    finally:
-        for tail in tails:
-            tail.stop()
+    return Tee([(os.path.join(log_dir, "stdout.log"), sys.stdout), (os.path.join(log_dir, "stderr.log"), sys.stderr)],
+               "[rank0]:", _TEE_POLL_S)
 
 
 class GroupPool:
