@@ -18,7 +18,9 @@ invocation, so they see the same load.
 Stage walls come from the ranks' progress events (first start to last done over all ranks),
 and so do the phases of a run or a sweep (a sweep is cut at each job's first and last event);
 per-rank peak RSS is the VmHWM of each rank process, sampled from /proc while it runs (ranks
-are told apart by the per-rank stdout log their fd 1 points to). Results go to stdout as
+are told apart by the per-rank stdout log their fd 1 points to); the CPU a run or a sweep took
+is the machine's busy time while it ran (/proc/stat: every process on the machine, so read it
+on a quiet one), against the core-seconds its wall time offered. Results go to stdout as
 Markdown tables and to `<out>/bench.json`; `scaling` also writes `<out>/scaling.png`, drawn
 with matplotlib (the `plots` extra). `golden-alone` is the one-process
 reference the flash ratio divides by (run as a subprocess of `flash`).
@@ -68,6 +70,7 @@ class Run:
     result: dict
     events: list[dict]
     peak_rss: dict[int, int] = field(default_factory=dict)  # local rank -> VmHWM bytes
+    busy_core_s: float | None = None  # the machine's busy CPU time while it ran
 
     def stage_walls(self) -> dict[str, float]:
         """Per stage: first start to last done over all ranks (ranks run a stage concurrently)."""
@@ -95,6 +98,7 @@ class SweepRun:
     wall_s: float
     started: float  # time.time() just before the process was started
     jobs: list[list[dict]]  # the stage events of every job, in job order
+    busy_core_s: float | None = None  # the machine's busy CPU time while it ran
 
     def phases(self) -> dict[str, float]:
         """The sweep cut at each job's first and last rank events: start-up (imports, every
@@ -105,6 +109,21 @@ class SweepRun:
         return {"start-up": spans[0][0] - self.started, "stages": sum(hi - lo for lo, hi in spans),
                 "between jobs": sum(nxt[0] - cur[1] for cur, nxt in zip(spans, spans[1:])),
                 "exit": self.started + self.wall_s - spans[-1][1]}
+
+
+def _busy_core_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (None without /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in f.readline().split()[1:8])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy_since(before: float | None) -> float | None:
+    after = _busy_core_s()
+    return None if before is None or after is None else after - before
 
 
 def _events(out_dir: str) -> list[dict]:
@@ -164,14 +183,14 @@ def run_launcher(out_dir: str, overrides: list[str], sample_rss: bool = False, g
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     peaks: dict[int, int] = {}
     with open(log, "w") as f:
-        started, t0 = time.time(), time.perf_counter()
+        started, t0, busy = time.time(), time.perf_counter(), _busy_core_s()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
         sampler = None
         if sample_rss:
             sampler = threading.Thread(target=_sample_rss, args=(proc, peaks, 0.01), daemon=True)
             sampler.start()
         code = proc.wait()
-        wall = time.perf_counter() - t0
+        wall, busy = time.perf_counter() - t0, _busy_since(busy)
         if sampler is not None:
             sampler.join()
     if code != 0:
@@ -179,17 +198,18 @@ def run_launcher(out_dir: str, overrides: list[str], sample_rss: bool = False, g
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; log {log}:\n{tail}")
     with open(os.path.join(out_dir, "result.json")) as f:
         result = json.load(f)
-    return Run(wall_s=wall, started=started, result=result, events=_events(out_dir), peak_rss=peaks)
+    return Run(wall_s=wall, started=started, result=result, events=_events(out_dir), peak_rss=peaks, busy_core_s=busy)
 
 
 def run_sweep(sweep_dir: str, overrides: list[str]) -> SweepRun:
     """`python -m launcher -m <overrides>` end to end, the golden cache off; every job must PASS."""
     cmd = [sys.executable, "-m", "launcher", "-m", *overrides, "golden_cache=null", f"hydra.sweep.dir={sweep_dir}"]
-    started, t0 = time.time(), time.perf_counter()
+    started, t0, busy = time.time(), time.perf_counter(), _busy_core_s()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
+    wall, busy = time.perf_counter() - t0, _busy_since(busy)
     jobs = sorted((d for d in os.listdir(sweep_dir) if d.isdigit()), key=int)
-    return SweepRun(wall_s=wall, started=started, jobs=[_events(os.path.join(sweep_dir, d)) for d in jobs])
+    return SweepRun(wall_s=wall, started=started, jobs=[_events(os.path.join(sweep_dir, d)) for d in jobs],
+                    busy_core_s=busy)
 
 
 def timed(cmd: list[str], **kw) -> float:
@@ -239,14 +259,15 @@ def bench_sweep(tmp: str, repeats: int) -> dict:
     same sweep on fresh rank processes for every job (`warm_ranks=false`), alternated."""
     one, warm, cold = [], [], []
     for i in range(repeats):
-        one.append(run_launcher(os.path.join(tmp, f"one{i}"), case_keys("swa", "tiny", 8)).wall_s)
+        one.append(run_launcher(os.path.join(tmp, f"one{i}"), case_keys("swa", "tiny", 8)))
         warm.append(run_sweep(os.path.join(tmp, f"warm{i}"), ["+sweep=smoke"]))
         cold.append(run_sweep(os.path.join(tmp, f"cold{i}"), ["+sweep=smoke", "warm_ranks=false"]))
-    best_warm, best_cold = min(warm, key=lambda r: r.wall_s), min(cold, key=lambda r: r.wall_s)
-    return {"one_s": min(one), "warm_s": best_warm.wall_s, "cold_s": best_cold.wall_s, "one_all_s": one,
-            "warm_all_s": [r.wall_s for r in warm], "cold_all_s": [r.wall_s for r in cold],
-            "ratio": best_warm.wall_s / min(one), "target": 1.5, "cold_ratio": best_cold.wall_s / min(one),
-            "phases": best_warm.phases()}
+    best_one, best_warm, best_cold = (min(runs, key=lambda r: r.wall_s) for runs in (one, warm, cold))
+    return {"one_s": best_one.wall_s, "warm_s": best_warm.wall_s, "cold_s": best_cold.wall_s,
+            "one_all_s": [r.wall_s for r in one], "warm_all_s": [r.wall_s for r in warm],
+            "cold_all_s": [r.wall_s for r in cold], "ratio": best_warm.wall_s / best_one.wall_s, "target": 1.5,
+            "cold_ratio": best_cold.wall_s / best_one.wall_s, "phases": best_warm.phases(),
+            "one_busy_core_s": best_one.busy_core_s, "warm_busy_core_s": best_warm.busy_core_s}
 
 
 def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) -> dict:
@@ -596,6 +617,14 @@ def report_sweep(r: dict) -> str:
             ["sweep: the jobs' ranks' stages (fixture .. compare), summed", f"{ph['stages']:.2f}"],
             ["sweep: between two jobs (a report, the next job's set-up and hand-off), summed", f"{ph['between jobs']:.2f}"],
             ["sweep: exit", f"{ph['exit']:.2f}"],
+        ]
+    one_cpu, sweep_cpu = r.get("one_busy_core_s"), r.get("warm_busy_core_s")
+    if one_cpu is not None and sweep_cpu is not None:  # no /proc/stat, or a bench.json from before
+        cap = CORES * r["target"] * r["one_s"]
+        rows += [
+            [f"CPU of the one run (busy core-s of the {CORES * r['one_s']:.2f} its wall offered)", f"{one_cpu:.2f}"],
+            [f"CPU of the sweep (busy core-s of the {CORES * r['warm_s']:.2f} its wall offered)", f"{sweep_cpu:.2f}"],
+            [f"core-s a sweep at the target could use at most ({CORES} cores x {r['target']} x one run)", f"{cap:.2f}"],
         ]
     return _table(["sweep", "wall s (min)"], rows)
 

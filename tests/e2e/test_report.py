@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import sys
 
 import pytest
@@ -265,15 +266,20 @@ def test_a_defective_rank_is_located_end_to_end(tp_run):
         assert run.result["plots"] == []
 
 
-def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
-    """scripts/bench.py's scaling plot: wall time against tp and against local_t, drawn by matplotlib."""
-    pytest.importorskip("matplotlib")
+def _bench_script(monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
+    """scripts/bench.py's scaling plot: wall time against tp and against local_t, drawn by matplotlib."""
+    pytest.importorskip("matplotlib")
+    bench = _bench_script(monkeypatch)
     scaling = {"tp": {"tiny swa": {1: 1.6, 2: 1.8, 4: 2.0, 8: 2.2}, "flash csa": {1: 4.0, 2: 5.0, 4: 8.6, 8: 17.1}},
                "local_t": {"tiny swa": {8: 1.7, 16: 1.8}, "flash csa": {16: 4.4, 64: 5.0, 256: 8.9}}}
     fig = bench.scaling_figure(scaling)
@@ -289,17 +295,32 @@ def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
 
 def test_bench_sweep_phases_cut_at_each_jobs_first_and_last_event(monkeypatch):
     """scripts/bench.py's sweep breakdown: start-up, the jobs' stages, between jobs, exit."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = _bench_script(monkeypatch)
     ev = lambda t: {"t": t}  # noqa: E731
     run = bench.SweepRun(wall_s=10.0, started=100.0, jobs=[[ev(102.0), ev(101.5), ev(103.0)], [ev(103.5), ev(106.0)]])
     phases = run.phases()
     assert phases == {"start-up": 1.5, "stages": 4.0, "between jobs": 0.5, "exit": 4.0}
     assert sum(phases.values()) == run.wall_s
+
+
+def test_bench_counts_the_machines_busy_time_and_the_sweeps_cpu_budget(monkeypatch):
+    """scripts/bench.py's CPU figures: /proc/stat's busy time covers a CPU-bound child, and
+    the sweep table sets the two sides' CPU against what the target's wall would offer."""
+    bench = _bench_script(monkeypatch)
+    if bench._busy_core_s() is None:
+        pytest.skip("no /proc/stat")
+    before = bench._busy_core_s()
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    assert bench._busy_since(before) >= 0.45  # the child's own CPU at least: every process counts
+    figures = {"one_s": 2.0, "warm_s": 3.5, "cold_s": 4.0, "ratio": 1.75, "target": 1.5, "cold_ratio": 2.0,
+               "one_busy_core_s": 3.4, "warm_busy_core_s": 6.6}
+    rows = bench.report_sweep(figures).splitlines()
+    cores = bench.CORES
+    assert f"| CPU of the one run (busy core-s of the {cores * 2.0:.2f} its wall offered) | 3.40 |" in rows
+    assert f"| CPU of the sweep (busy core-s of the {cores * 3.5:.2f} its wall offered) | 6.60 |" in rows
+    assert f"| core-s a sweep at the target could use at most ({cores} cores x 1.5 x one run) | {cores * 3.0:.2f} |" in rows
+    assert not any("CPU" in row for row in bench.report_sweep({**figures, "warm_busy_core_s": None}).splitlines())
 
 
 def test_console_report_of_a_node_without_rank_0():
