@@ -405,6 +405,8 @@ def working_set(layer: str, model: str, tp: int, local_t: int) -> dict:
     from layers.contract.case import Case
     from layers.contract.config import PRESETS
     from layers.registry import get_layer
+    from launcher.run import judging
+    from launcher.verify.base import initial_key
 
     lay = get_layer(layer)
     case = Case(layer=layer, model=PRESETS[model], tp=tp, local_t=local_t, seed=20260819)
@@ -414,9 +416,15 @@ def working_set(layer: str, model: str, tp: int, local_t: int) -> dict:
     o_shard = _spec_bytes(specs, ("wo_a", "wo_b"))
     mappings = sorted({c.mapping for c in lay.checks(case) if isinstance(c, PoolCheck)})
     inout = _spec_bytes(specs, [n for n, s in specs.items() if s.kind is Kind.INOUT])
-    context = _spec_bytes(specs, mappings) + _spec_bytes(specs, [n for n in compared if specs[n].kind is Kind.INOUT])
+    compared_inout = [n for n in compared if specs[n].kind is Kind.INOUT]
+    context = _spec_bytes(specs, mappings) + _spec_bytes(specs, compared_inout)
     fixture = _spec_bytes(specs, inputs)
     outputs = _spec_bytes(specs, compared)
+    # What each rank judges (the worker's plan), every rank's shard of it stacked.
+    judged = [0] * tp
+    for a in judging.plan(lay.checks(case), [*mappings, *map(initial_key, compared_inout)], specs, 1, tp):
+        own = [n.removeprefix(initial_key("")) for n in a.context]
+        judged[a.judge] += tp * (2 * _spec_bytes(specs, [a.output]) + _spec_bytes(specs, own))
     return {
         "fixture": fixture,
         # Beside the slice: the full O weights (drawn with it) and worker.golden_outputs' clones
@@ -424,7 +432,7 @@ def working_set(layer: str, model: str, tp: int, local_t: int) -> dict:
         "golden_inputs": inout + tp * o_shard,
         "outputs": 2 * outputs,  # the golden's and the implementation's
         "context": context,  # pre-step pools and slot mappings kept for the comparators
-        "rank0_gathered": tp * (2 * outputs + context),  # stacked actual, golden, context
+        "judged": judged,  # per rank: the stacked actual, golden and context of the checks it judges
     }
 
 
@@ -665,10 +673,10 @@ def memory_estimate(ws: dict, rank: int) -> dict:
 
     fixture stage: the slice and the builders' temporaries (measured); golden stage: the slice,
     the golden's clones with the full O weights, and the golden's own temporaries (measured);
-    gather: both outputs, the comparators' context and, on rank 0, every rank's stacked.
+    gather: both outputs, the comparators' context and every rank's of the checks it judges.
     """
     golden = ws["golden_inputs"] + ws["golden_transient"]  # on top of the fixture slice
-    gather = ws["outputs"] + ws["context"] + (ws["rank0_gathered"] if rank == 0 else 0)
+    gather = ws["outputs"] + ws["context"] + ws["judged"][rank]
     return {"fixture": ws["fixture_transient"], "golden": golden, "gather": gather,
             "peak": max(ws["fixture_transient"], ws["fixture"] + golden, gather)}
 
