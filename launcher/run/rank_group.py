@@ -165,7 +165,7 @@ class RankGroup:
         self._close_ends()
 
     def close(self) -> None:
-        """Let idle ranks leave the world and exit; any that do not within the grace are killed."""
+        """Let idle ranks exit; any that do not within the grace are killed."""
         self.ask_to_leave()
         self.wait_to_leave()
 
@@ -247,8 +247,8 @@ class GroupPool:
             self._groups.popitem(last=False)[1].close()
 
     def close(self) -> None:
-        """Every group leaves at once: a group's ranks take 0.02 to 0.1 s to leave the process
-        group and exit, which the groups of a sweep over several world sizes would add up."""
+        """Every group leaves at once: asked one after another and waited for one after
+        another, the groups of a sweep over several world sizes would add up their exits."""
         groups = list(self._groups.values())
         self._groups.clear()
         for group in groups:

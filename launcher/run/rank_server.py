@@ -22,7 +22,6 @@ import traceback
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from launcher.run import devices, lifeline, worker
@@ -98,8 +97,8 @@ def _write_to(log_dir: str) -> None:
 
 
 def serve(local_rank: int, env: dict[str, str], conn) -> None:
-    """The process's life: jobs `(spec, log_dir)` from `conn` until None (leave the world and
-    exit) or until the launcher is gone; each job's result goes back over `conn`."""
+    """The process's life: jobs `(spec, log_dir)` from `conn` until None (exit) or until the
+    launcher is gone; each job's result goes back over `conn`."""
     lifeline.die_with_parent()
     os.environ.update(env)
     device, baseline = None, None
@@ -136,4 +135,7 @@ def serve(local_rank: int, env: dict[str, str], conn) -> None:
         conn.send(result)
         del result
         worker.release_freed_memory()  # an idle rank holds what it keeps, not what it freed
-    dist.destroy_process_group()
+    # Every rank of the group is told at once, idle, its last job's logs flushed and result
+    # sent: nothing is left to do. Leaving the process group first would only wait (gloo's
+    # shutdown takes the ranks 10 to 80 ms one after another).
+    os._exit(0)

@@ -69,6 +69,26 @@ def test_closing_the_pool_lets_every_groups_ranks_leave_on_their_own(tmp_path, p
     assert all(p.exitcode >= 0 for p in procs), [p.exitcode for p in procs]  # none ended by a signal
 
 
+def test_ranks_that_ran_jobs_leave_at_once_and_quietly(tmp_path, pool):
+    """Told to leave after their jobs, the ranks of two groups exit with status 0 and nothing
+    in their logs: no peer reports a connection its group's other ranks closed."""
+    logs = tmp_path / "logs"
+    groups = []
+    for tp in (2, 4):
+        spec = _spec(tmp_path, f"tp={tp}")
+        group = pool.take(spec)
+        results, failures = group.run(spec, f"tp{tp}", str(logs))
+        assert failures is None and all(r["passed"] for r in results.values())
+        pool.keep(group)
+        groups.append(group)
+    pool.close()
+    assert [p.exitcode for group in groups for p in group.procs] == [0] * 6
+    stderr = {path: path.read_text() for path in logs.glob("*/attempt_0/*/stderr.log")}
+    assert len(stderr) == 6
+    assert {path: [ln for ln in text.splitlines() if " INFO " not in ln] for path, text in stderr.items()} == {
+        path: [] for path in stderr}
+
+
 def test_the_ranks_still_in_a_job_may_end_on_their_own_after_a_peer_died(tmp_path, pool):
     """Rank 1 dies first; rank 0 raises its own error half a second later. It is let end by
     itself and its report is read (stopped at rank 1's death, its report would be lost)."""
