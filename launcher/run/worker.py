@@ -365,12 +365,12 @@ class ReferenceFailed(RuntimeError):
     implementation runs."""
 
 
-def stop_unless_every_reference_was_made(failure: Exception | None, rank: int, world: int) -> None:
+def stop_unless_every_reference_was_made(failure: Exception | None, rank: int, world: int, device) -> None:
     """A golden that fails stops the run before any rank runs the implementation (the reference
     runner's rule, validation.md §3 step 3): the ranks agree first. The failing rank raises its
     own error, every other rank a `ReferenceFailed` naming it."""
-    failed = [None] * world
-    dist.all_gather_object(failed, failure is not None)
+    failed = wire.all_gather(torch.tensor([failure is not None], dtype=torch.uint8, device=device), None, world)
+    failed = failed.view(-1).tolist()
     if failure is not None:
         raise failure
     if any(failed):
@@ -425,7 +425,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                 context.update({initial_key(n): inputs[n].clone() for n in inout})
         except Exception as e:  # raised once every rank has heard of it
             failure = e
-        stop_unless_every_reference_was_made(failure, rank, world)
+        stop_unless_every_reference_was_made(failure, rank, world, device)
     del wo_full
     if spec.save_data:
         with timer.stage("save"):
@@ -488,10 +488,9 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                                                  spec.integrity)
     # Every rank learns the verdict (None: nothing was compared), so every node exits with rank
     # 0's verdict code: the reference verdicts and the integrity checks beside them.
-    verdict = [_passed(comparisons, integrity) if comparisons is not None else None]
-    dist.broadcast_object_list(verdict, src=0)
+    passed = _verdict_of_rank0(_passed(comparisons, integrity) if comparisons is not None else None, world, device)
     located = None
-    if spec.bisect and not verdict[0]:
+    if spec.bisect and not passed:
         with timer.stage("bisect"):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
             fresh = (snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs) if spec.golden_data
@@ -504,10 +503,10 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             if rank == 0:
                 located = [located[g * layout.tp] for g in range(layout.dp)]
     if rank != 0:
-        return {"reporting": False, "passed": verdict[0], "comparisons": None}
+        return {"reporting": False, "passed": passed, "comparisons": None}
     return {
         "reporting": True,  # rank 0: compared and holds every rank's figures
-        "passed": verdict[0],
+        "passed": passed,
         "groups": [{"group": g, "ranks": layout.ranks_of(g), "seed": spec.case.of_group(g).seed,
                     "comparisons": comparisons[g] if comparisons is not None else None,
                     "integrity": integrity[g] if integrity is not None else None,
@@ -519,6 +518,14 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         "rank_peak_rss_mib": [s["peak_rss_mib"] for s in stats],
         "rank_cpus": [s["cpus"] for s in stats],  # each rank's CPU affinity
     }
+
+
+def _verdict_of_rank0(verdict: bool | None, world: int, device) -> bool | None:
+    """Rank 0's `verdict` on every rank (one byte: -1 None, 0 False, 1 True)."""
+    code = torch.tensor([-1 if verdict is None else int(verdict)], dtype=torch.int8, device=device)
+    if world > 1:
+        dist.broadcast(code, src=0)
+    return None if code.item() < 0 else bool(code.item())
 
 
 def _passed(comparisons: list[dict], integrity: list[dict | None]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -59,6 +60,20 @@ def test_process_fault_is_reported_with_rank_and_stage(tp_run, tmp_path, kind, s
     assert err["log_dir"] and err["log_dir"].endswith(os.path.join("attempt_0", "1")), run
     assert os.path.isfile(os.path.join(err["log_dir"], "stderr.log"))
     _no_orphans(str(tmp_path))
+
+
+def test_a_golden_that_fails_on_one_rank_stops_every_rank_before_the_implementation(tp_run):
+    run = tp_run(layer="swa", tp=4, model="tiny", overrides=["fault.kind=raise", "fault.rank=2", "fault.stage=golden"])
+    assert run.exit_code == 2, run
+    err = run.result["error"]
+    assert (err["rank"], err["stage"]) == (2, "golden"), run
+    attempt = os.path.dirname(err["log_dir"])
+    for rank in (0, 1, 3):  # each names the rank whose golden failed, and stops
+        with open(os.path.join(attempt, str(rank), "stderr.log")) as f:
+            assert "the golden failed on rank(s) [2]; no rank runs the implementation" in f.read(), rank
+    events = [json.loads(line) for path in glob.glob(os.path.join(run.output_dir, "progress", "rank*.jsonl"))
+              for line in open(path)]
+    assert len({e["rank"] for e in events}) == 4 and not any(e["stage"] == "layer" for e in events)
 
 
 @pytest.mark.timeout(120)
