@@ -3,7 +3,8 @@
 The world is `dp * tp` ranks; TP group g is the contiguous ranks `g*tp ... g*tp + tp - 1`, so a
 group stays inside a node whenever a node holds a multiple of tp ranks. Each group runs its own
 case (its own fixture and golden, `Case.of_group`) on its own process group; the harness's own
-collectives (the gather to rank 0, the verdict's broadcast) stay on the world group.
+collectives (the sends to each check's judge, the verdicts to rank 0, the verdict's broadcast)
+stay on the world group.
 
 | name        | meaning                                      |
 |-------------|----------------------------------------------|
