@@ -15,6 +15,7 @@ verdicts), and rank 0 puts the verdicts back in the layer's check order (`collec
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
@@ -47,10 +48,7 @@ def context_of(check: Check, context_names: Collection[str]) -> tuple[str, ...]:
 
 
 def _nbytes(spec: TensorSpec) -> int:
-    n = torch.empty((), dtype=spec.dtype).element_size()
-    for size in spec.shape:
-        n *= size
-    return n
+    return math.prod(spec.shape) * spec.dtype.itemsize
 
 
 def plan(checks: Sequence[Check], context_names: Collection[str], specs: Mapping[str, TensorSpec],
