@@ -280,7 +280,7 @@ def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) ->
     from layers.contract.config import PRESETS
     from layers.registry import get_layer
 
-    forkserver.set_reproducible_cpu_env()
+    forkserver.set_cpu_env()
     torch.set_num_threads(threads)
     lay = get_layer(layer)
     case = Case(layer=layer, model=PRESETS[model], tp=tp, local_t=local_t, seed=20260819)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from launcher.run.forkserver import set_reproducible_cpu_env  # noqa: E402
+from launcher.run.forkserver import set_cpu_env  # noqa: E402
 
-set_reproducible_cpu_env()
+set_cpu_env()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

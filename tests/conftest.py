@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from launcher.run.forkserver import set_reproducible_cpu_env
+from launcher.run.forkserver import set_cpu_env
 
 # Before any GEMM of this process: goldens here must reproduce the reference snapshots bitwise.
-set_reproducible_cpu_env()
+set_cpu_env()
 
 # The tests' goldens go to a folder of their own (one per test process, removed at its end),
 # never into the user's cache; every run started from here, CLI subprocesses included, inherits it.

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from hydra.experimental.callback import Callback
 
 from layers import hca
 from layers.components import hca_compressor
@@ -205,17 +206,48 @@ class SlowToExitOnRank1(TorchTP):
         return super().__call__(ctx, tensors)
 
 
-class RecordsGarbageCollector(TorchTP):
-    """Not a defect, a probe: writes whether the rank's garbage collector is on and how many
-    objects it has frozen to `$DSV4_TEST_GC_STATE.rank<r>`, then runs the layer."""
+def openblas_threads() -> int | None:
+    """How many threads numpy's OpenBLAS runs in this process (None: none is loaded)."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        libraries = sorted({line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1]})
+    for path in libraries:
+        for symbol in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
+            get = getattr(ctypes.CDLL(path), symbol, None)
+            if get is not None:
+                return get()
+    return None
+
+
+def process_state() -> list:
+    """Whether the garbage collector is on, how many objects it has frozen, OpenBLAS's threads."""
+    import gc
+
+    return [gc.isenabled(), gc.get_freeze_count(), openblas_threads()]
+
+
+class RecordsProcessState(TorchTP):
+    """Not a defect, a probe: writes the rank's `process_state()` to
+    `$DSV4_TEST_PROCESS_STATE.rank<r>`, then runs the layer."""
 
     def __call__(self, ctx, tensors):
-        import gc
         import json
 
-        with open(f"{os.environ['DSV4_TEST_GC_STATE']}.rank{ctx.rank}", "w") as f:
-            json.dump([gc.isenabled(), gc.get_freeze_count()], f)
+        with open(f"{os.environ['DSV4_TEST_PROCESS_STATE']}.rank{ctx.rank}", "w") as f:
+            json.dump(process_state(), f)
         return super().__call__(ctx, tensors)
+
+
+class RecordsLauncherState(Callback):
+    """A Hydra callback, in the launcher: writes its `process_state()` to
+    `$DSV4_TEST_PROCESS_STATE.launcher` as the job starts."""
+
+    def on_job_start(self, config, **kwargs):
+        import json
+
+        with open(f"{os.environ['DSV4_TEST_PROCESS_STATE']}.launcher", "w") as f:
+            json.dump(process_state(), f)
 
 
 class InterruptOnRank1(TorchTP):

@@ -21,15 +21,22 @@ from launcher.run import lifeline
 PRELOAD = ["launcher.run.import_gc", "launcher.run.lifeline", "torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "launcher.run.rank_server", "layers.registry", "layers.tp",
            "layers.stages", "launcher.verify.bisect", "launcher.run.rank_preload"]
 
-# MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and
-# machines; the reference snapshots were made with the AVX2 code path in strict
-# (run-to-run reproducible) mode. MKL reads this once, at its first GEMM, so it must be in the
-# environment before any rank (or the pytest process) multiplies anything.
-CPU_REPRODUCIBLE_ENV = {"MKL_CBWR": "AVX2,STRICT"}
+# The CPU environment of every harness process, set before torch is imported (a value the
+# user set wins).
+CPU_ENV = {
+    # MKL picks its fp32 GEMM kernels by CPU feature and may reorder sums between runs and
+    # machines; the reference snapshots were made with the AVX2 code path in strict
+    # (run-to-run reproducible) mode. MKL reads this once, at its first GEMM, so it must be in
+    # the environment before any rank (or the pytest process) multiplies anything.
+    "MKL_CBWR": "AVX2,STRICT",
+    # numpy, which torch imports, starts OpenBLAS with a thread per core, and each spins for
+    # about 0.1 s waiting for work that never comes: nothing here multiplies with numpy.
+    "OPENBLAS_NUM_THREADS": "1",
+}
 
 
-def set_reproducible_cpu_env() -> None:
-    for key, value in CPU_REPRODUCIBLE_ENV.items():
+def set_cpu_env() -> None:
+    for key, value in CPU_ENV.items():
         os.environ.setdefault(key, value)
 
 
@@ -64,7 +71,7 @@ def start() -> None:
     thread's end would take a server that later runs still need with it."""
     use_standard_start_method("forkserver")
     _fit_socket_path()
-    set_reproducible_cpu_env()
+    set_cpu_env()
     multiprocessing.set_forkserver_preload(PRELOAD)
     if threading.current_thread() is threading.main_thread():
         os.environ[lifeline.PARENT_ENV] = str(os.getpid())

@@ -277,7 +277,7 @@ def launch(spec: RunSpec) -> LaunchOutcome:
         forkserver.start()  # a no-op when `python -m launcher` already started it
     else:
         forkserver.use_standard_start_method(spec.start_method)
-        forkserver.set_reproducible_cpu_env()  # inherited by every rank
+        forkserver.set_cpu_env()  # inherited by every rank
     if spec.nnodes == 1:
         return _launch_here(spec, log_root, run_id)
     return _launch_elastic(spec, log_root, run_id)

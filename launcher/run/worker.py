@@ -335,7 +335,7 @@ def begin_job(spec: RunSpec) -> None:
 def join_world(spec: RunSpec, local_rank: int) -> torch.device:
     """What a rank process sets up once, for every job it runs: threads, backend, device and
     the world's process group (from the RANK / WORLD_SIZE / MASTER_* environment)."""
-    forkserver.set_reproducible_cpu_env()  # under an external torchrun nothing set it before
+    forkserver.set_cpu_env()  # under an external torchrun nothing set it before
     world = int(os.environ["WORLD_SIZE"])
     if world != spec.world:
         raise RuntimeError(f"WORLD_SIZE={world} but the config asks for {spec.world} ranks "

@@ -123,40 +123,21 @@ def test_forkserver_is_started_early_only_for_a_run_that_uses_it(argv, starts):
     assert _launches_by_forkserver(argv) is starts
 
 
-_GC_PROBE = """
-import gc, json, os
-import launcher.cli as cli
-from launcher.__main__ import run
-
-execute = cli.execute
-
-
-def recorded(*args, **kwargs):
-    with open(os.environ["DSV4_TEST_GC_STATE"] + ".launcher", "w") as f:
-        json.dump([gc.isenabled(), gc.get_freeze_count()], f)
-    return execute(*args, **kwargs)
-
-
-if __name__ == "__main__":  # not in the ranks, which import this file as their main module
-    cli.execute = recorded
-    run()
-"""
-
-
-def test_the_garbage_collector_is_on_again_once_the_imports_are_done(tmp_path):
+def test_the_launcher_and_its_ranks_collect_garbage_and_keep_openblas_to_one_thread(tmp_path):
     """Paused while the launcher and the forkserver import (`launcher.run.import_gc`), the
     collector runs again during the run, in the launcher and in every rank, with the objects
-    the imports made frozen."""
-    (tmp_path / "gc_probe.py").write_text(_GC_PROBE)
-    state = tmp_path / "gc"
-    p = subprocess.run([sys.executable, str(tmp_path / "gc_probe.py"), "layer=swa", "tp=2", "model=tiny",
-                        "golden_cache=null", "impl=tests.defects.RecordsGarbageCollector", f"hydra.run.dir={tmp_path}/out"],
-                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO), DSV4_TEST_GC_STATE=str(state)),
+    the imports made frozen; numpy's OpenBLAS runs one thread in each (`forkserver.CPU_ENV`)."""
+    state = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}  # the harness sets it
+    p = subprocess.run([sys.executable, "-m", "launcher", "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
+                        "impl=tests.defects.RecordsProcessState", f"hydra.run.dir={tmp_path}/out",
+                        "+hydra.callbacks.probe._target_=tests.defects.RecordsLauncherState"],
+                       cwd=tmp_path, env=dict(env, PYTHONPATH=str(REPO), DSV4_TEST_PROCESS_STATE=str(state)),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     for who in ("launcher", "rank0", "rank1"):
-        enabled, frozen = json.loads((tmp_path / f"gc.{who}").read_text())
-        assert enabled and frozen > 10_000, (who, enabled, frozen)
+        enabled, frozen, openblas = json.loads((tmp_path / f"state.{who}").read_text())
+        assert enabled and frozen > 10_000 and openblas == 1, (who, enabled, frozen, openblas)
 
 
 def test_print_only_flags_print_and_exit_0(tmp_path):

@@ -136,17 +136,17 @@ def test_a_torchrun_worker_collects_garbage_again_once_its_imports_are_done(tmp_
     """`python -m launcher.torchrun` imports with the collector paused (`launcher.run.import_gc`)
     and runs the job with it on again and the imports' objects frozen."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    state = tmp_path / "gc"
+    state = tmp_path / "state"
     p = subprocess.run(
         [torchrun, "--standalone", "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun-logs"),
          "-m", "launcher.torchrun", "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
-         "impl=tests.defects.RecordsGarbageCollector"],
+         "impl=tests.defects.RecordsProcessState"],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO), DSV4_OUTPUT_DIR=str(tmp_path / "out"),
-                               DSV4_TEST_GC_STATE=str(state)),
+                               DSV4_TEST_PROCESS_STATE=str(state)),
         capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     for rank in (0, 1):
-        enabled, frozen = json.loads((tmp_path / f"gc.rank{rank}").read_text())
+        enabled, frozen, _ = json.loads((tmp_path / f"state.rank{rank}").read_text())
         assert enabled and frozen > 10_000, (rank, enabled, frozen)
 
 
