@@ -216,11 +216,12 @@ def reference_line(result: dict) -> str:
     """Which reference the verdicts compare against: the golden (and from where) or a snapshot."""
     if result.get("reference") == "snapshot":
         return f"reference: snapshot {result['golden_data']}/out"
-    hits = result.get("golden_cache_hits", [])
+    hits, input_hits = result.get("golden_cache_hits", []), result.get("input_cache_hits", [])
     cached = f" (from the golden cache on ranks {hits})" if hits else ""
+    inputs = f"; inputs from the golden cache on ranks {input_hits}" if input_hits else ""
     problems = "".join(f"; warning: golden cache {p}" for p in result.get("golden_cache_problems", []))
     saved = f"; snapshot saved to {result['save_data']}" if result.get("save_data") else ""
-    return f"reference: golden{cached}{saved}{problems}"
+    return f"reference: golden{cached}{inputs}{saved}{problems}"
 
 
 def _verdict_lines(verdicts: list[dict], global_ranks: list[int] | None = None) -> list[str]:

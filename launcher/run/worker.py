@@ -13,7 +13,9 @@ the layer is then bit-identical between golden and implementation, and only the 
 differs by fp32 summation order. Each of the layer's checks is judged whole on a rank of its
 own (`launcher.run.judging`: every rank sends its shards of the check's tensors there), and
 rank 0 collects the verdicts.
-A golden that fails on any rank stops every rank before the implementation runs.
+A rank's inputs and golden are read from the golden cache when its entries are whole
+(`launcher.run.rank_data`). A golden that fails on any rank stops every rank before the
+implementation runs.
 With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
 slice); `recompute_golden` adds the computed golden as a second reference.
 Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return the
@@ -25,7 +27,6 @@ traceback for the launcher's failure report.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -54,7 +55,8 @@ from launcher.config.spec import RunSpec
 from launcher.config.tolerance import fails_the_run
 from launcher.run import bench, devices, faults, forkserver, judging, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
-from launcher.store import golden_cache, snapshot
+from launcher.run.rank_data import cached_golden, cached_group_golden, rank_inputs
+from launcher.store import snapshot
 from launcher.verify import bisect
 from launcher.verify.base import initial_key
 from launcher.verify.integrity import golden_nonfinite
@@ -216,87 +218,6 @@ def gather_to_rank0(tensors: dict[str, torch.Tensor], names, rank: int, tp: int,
     return gathered
 
 
-def _with_inouts_cloned(layer, case, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The rank's inputs with its in-out tensors cloned: the golden updates those in place and
-    must leave the implementation's copies as they were (it runs first, so the pure inputs are
-    pristine)."""
-    inout = set(layer.names_of(case, Kind.INOUT))
-    return {n: t.clone() if n in inout else t for n, t in inputs.items()}
-
-
-def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dict[str, torch.Tensor]:
-    """The golden of this rank's shard: the TP1 layer with full O weights, on the rank's inputs
-    (`_with_inouts_cloned`)."""
-    tensors = _with_inouts_cloned(layer, case, inputs)
-    if layer.sharded_o_weights:
-        tensors["wo_a"], tensors["wo_b"] = wo_full
-    out = layer.golden(case, tensors)
-    return {n: out[n] for n in layer.compared_names(case)}
-
-
-def golden_is_computed(spec: RunSpec, layer, case, rank: int) -> bool:
-    """Whether this rank computes a golden with full O weights from its own fixture (so the
-    fixture builds them with the shard) rather than replaying or reading the cache."""
-    if spec.golden_data or not spec.golden or not layer.sharded_o_weights:
-        return False
-    if spec.golden_cache is None:
-        return True
-    return not golden_cache.exists(spec.golden_cache, golden_cache.identity(case, rank, spec.threads()))
-
-
-def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """`(golden, cache status)` of `case` on group rank `rank`: from the on-disk cache when a
-    whole entry of its identity is there (status "hit"), else computed and stored (None, or why
-    the cache could not be written: the run goes on with the computed golden). `wo_full`: the
-    full O weights when the fixture built them already."""
-    def full_o_weights():
-        if not layer.sharded_o_weights:
-            return None
-        if spec.golden_data is not None:  # replay: the full O weights are the snapshot's shards
-            return snapshot.full_o_weights(spec.golden_data)
-        return wo_full if wo_full is not None else layer.full_o_weights(case)
-
-    if spec.golden_data is not None or spec.golden_cache is None:
-        return golden_outputs(layer, case, inputs, full_o_weights()), None
-    specs = layer.tensor_specs(case)
-    ident = golden_cache.identity(case, rank, spec.threads())
-    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(case)})
-    if hit is not None:
-        return hit, "hit"
-    outputs = golden_outputs(layer, case, inputs, full_o_weights())
-    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
-    if problem:
-        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
-    return outputs, f"not written: {problem}" if problem else None
-
-
-def cached_group_golden(spec: RunSpec, layer, ctx: RankContext, inputs) -> tuple[dict[str, torch.Tensor], str | None]:
-    """`cached_golden` of a layer whose golden the group computes together (`golden_of_group`):
-    read from the cache only when every rank of the group holds a whole entry, since a rank
-    that misses needs all of them to compute it."""
-    case, rank = ctx.case, ctx.rank
-    golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
-
-    def computed():
-        return layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
-
-    if spec.golden_data is not None or spec.golden_cache is None:
-        return computed(), None
-    specs = layer.tensor_specs(case)
-    ident = golden_cache.identity(case, rank, spec.threads())
-    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(case)})
-    every_hit = torch.tensor([int(hit is not None)], device=ctx.device)
-    if case.group_size > 1:
-        dist.all_reduce(every_hit, op=dist.ReduceOp.MIN, group=ctx.group)
-    if every_hit.item():
-        return hit, "hit"
-    outputs = computed()
-    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
-    if problem:
-        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
-    return outputs, f"not written: {problem}" if problem else None
-
-
 def rank_main(spec: RunSpec):
     """A rank in a process of its own (the elastic agent's, or an external torchrun's): join
     the world, run the one job, leave."""
@@ -393,14 +314,14 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
     pure = layer.names_of(case, Kind.INPUT)
     with timer.stage("fixture"):
-        wo_full = None
+        wo_full, inputs_cache = None, None
         if spec.golden_data:
             inputs = snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs)
-        elif golden_is_computed(spec, layer, case, grank):  # the O weights drawn once for both
-            inputs, wo_full = layer.rank_inputs_and_full_o(case, grank)
+            input_digests = {n: tensor_sha256(inputs[n]) for n in pure}
         else:
-            inputs = layer.rank_inputs(case, grank)
-        input_digests = {n: tensor_sha256(inputs[n]) for n in pure}
+            made = rank_inputs(spec, layer, case, grank, pure)
+            inputs, input_digests, wo_full, inputs_cache = made.tensors, made.sha256, made.wo_full, made.cache
+            del made
         with implementation_contract(rank):
             impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
@@ -480,8 +401,9 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             judged = judging.judge(held, cases, layer.checks, spec.tolerances, layout, spec.integrity)
         del held
     stats = [None] * world if rank == 0 else None
-    dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "peak_rss_mib": peak_rss_mib(),
-                        "cpus": devices.cpu_affinity(), "judged": judged}, stats, dst=0)
+    dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "inputs_cache": inputs_cache,
+                        "peak_rss_mib": peak_rss_mib(), "cpus": devices.cpu_affinity(), "judged": judged},
+                       stats, dst=0)
     comparisons = integrity = None
     if rank == 0 and spec.golden:  # by group: {reference: verdicts}, {reference: checks}
         comparisons, integrity = judging.collect([s.pop("judged") for s in stats], layout.dp, list(references),
@@ -514,7 +436,9 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         "bench": bench_figures,
         "rank_seconds": [s["seconds"] for s in stats],
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache"] == "hit"],
-        "golden_cache_problems": sorted({s["golden_cache"] for s in stats if s["golden_cache"] not in (None, "hit")}),
+        "input_cache_hits": [r for r, s in enumerate(stats) if s["inputs_cache"] == "hit"],
+        "golden_cache_problems": sorted({s[k] for s in stats for k in ("golden_cache", "inputs_cache")
+                                         if s[k] not in (None, "hit")}),
         "rank_peak_rss_mib": [s["peak_rss_mib"] for s in stats],
         "rank_cpus": [s["cpus"] for s in stats],  # each rank's CPU affinity
     }

@@ -1,17 +1,20 @@
-"""On-disk cache of each rank's golden outputs, keyed by everything the golden depends on.
+"""On-disk cache of each rank's golden outputs and of the inputs they were computed from,
+keyed by everything they depend on.
 
 The identity is the case (layer, every model field, tp, local_t, seed, start positions), the
 rank, the intra-op thread count (CPU GEMM blocking changes last bits), the torch version and a
 hash of the `layers` package source, so an edit of any golden, fixture or component invalidates
-every entry. Entries are written atomically (temp file + rename): concurrent sweeps and xdist
-workers never read a half-written entry.
+every entry. A rank's inputs are an entry of their own (`inputs_identity`): drawing them takes
+longer than reading them back at every size (a flash CSA rank: 0.9 s against 0.2 s). Entries
+are written atomically (temp file + rename): concurrent sweeps and xdist workers never read a
+half-written entry.
 
-An entry is trusted only when it is whole: its identity matches, it holds exactly the compared
+An entry is trusted only when it is whole: its identity matches, it holds exactly the expected
 tensors with the layer's shapes and dtypes, and each tensor's bytes match the sha256 stored
 beside it. Anything else (a load error, a missing or extra name, a wrong shape, flipped bytes,
-a hand-edited tensor) is a miss: the golden is recomputed and the entry overwritten. A cache
-that cannot be written never fails a run: `store` returns why, and the run goes on with the
-golden it computed.
+a hand-edited tensor) is a miss: the tensors are computed again and the entry overwritten. A
+cache that cannot be written never fails a run: `store` returns why, and the run goes on with
+the tensors it computed.
 
 The cache is bounded: `store` evicts the least recently used entries (an entry is used when
 written or read: both set its mtime) until the folder's entries fit the size cap. Deleting the
@@ -29,6 +32,7 @@ import time
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -36,8 +40,16 @@ import layers
 from layers.contract.tensors import TensorSpec, tensor_sha256
 from layers.contract.case import Case
 
+
+class Entry(NamedTuple):
+    """A whole entry's tensors and the sha256 of each."""
+
+    tensors: dict[str, torch.Tensor]
+    sha256: dict[str, str]
+
+
 # Bumped whenever the entry layout changes: older entries are then misses.
-FORMAT = 2
+FORMAT = 3
 
 
 def source_hash(root: Path) -> str:
@@ -55,6 +67,7 @@ def code_version() -> str:
 
 
 def identity(case: Case, rank: int, threads: int) -> dict:
+    """The identity of the golden outputs of `case` on `rank`."""
     return {
         **case.describe(),
         "model": case.model.fields(),
@@ -65,10 +78,16 @@ def identity(case: Case, rank: int, threads: int) -> dict:
     }
 
 
+def inputs_identity(case: Case, rank: int, threads: int) -> dict:
+    """The identity of the inputs (and in-outs before the step) of `case` on `rank`."""
+    return {**identity(case, rank, threads), "tensors": "inputs"}
+
+
 def _entry(root: str, ident: dict) -> Path:
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     size = f"tp{ident['tp']}" if "tp" in ident else f"ep{ident.get('ep')}"
-    return Path(root) / f"{ident['layer']}-{size}-r{ident['rank']}-{key}.pt"
+    kind = f"-{ident['tensors']}" if "tensors" in ident else ""
+    return Path(root) / f"{ident['layer']}-{size}-r{ident['rank']}{kind}-{key}.pt"
 
 
 def exists(root: str, ident: dict) -> bool:
@@ -112,28 +131,29 @@ def evict(root: str, max_bytes: int) -> list[Path]:
     return removed
 
 
-def _whole(entry, ident: dict, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor] | None:
-    """The entry's outputs if every check holds, else None."""
+def _whole(entry, ident: dict, specs: Mapping[str, TensorSpec]) -> Entry | None:
+    """The entry's tensors and their digests if every check holds, else None."""
     if not isinstance(entry, dict) or entry.get("format") != FORMAT:
         return None
     if entry.get("identity") != json.dumps(ident, sort_keys=True):
         return None
-    outputs, digests = entry.get("outputs"), entry.get("sha256")
-    if not isinstance(outputs, dict) or not isinstance(digests, dict) or set(outputs) != set(specs):
+    tensors, digests = entry.get("tensors"), entry.get("sha256")
+    if not isinstance(tensors, dict) or not isinstance(digests, dict) or set(tensors) != set(specs):
         return None
     for name, spec in specs.items():
-        t = outputs[name]
+        t = tensors[name]
         if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
             return None
         if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
             return None
         if digests.get(name) != tensor_sha256(t):
             return None
-    return {name: outputs[name] for name in specs}
+    return Entry({name: tensors[name] for name in specs}, {name: digests[name] for name in specs})
 
 
-def load(root: str, ident: dict, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor] | None:
-    """The cached outputs named by `specs`, or None for a miss (absent or not whole)."""
+def load_entry(root: str, ident: dict, specs: Mapping[str, TensorSpec]) -> Entry | None:
+    """The cached tensors named by `specs` with their sha256, or None for a miss (absent or
+    not whole)."""
     path = _entry(root, ident)
     if not path.is_file():
         return None
@@ -141,23 +161,31 @@ def load(root: str, ident: dict, specs: Mapping[str, TensorSpec]) -> dict[str, t
         entry = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # unreadable: a miss, replaced by `store`
         return None
-    outputs = _whole(entry, ident, specs)
-    if outputs is not None:
+    whole = _whole(entry, ident, specs)
+    if whole is not None:
         with contextlib.suppress(OSError):  # a read-only cache still serves its entries
             _mark_used(path)
-    return outputs
+    return whole
 
 
-def store(root: str, ident: dict, outputs: Mapping[str, torch.Tensor], max_bytes: int | None = None) -> str | None:
+def load(root: str, ident: dict, specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor] | None:
+    """The cached tensors named by `specs`, or None for a miss."""
+    whole = load_entry(root, ident, specs)
+    return whole.tensors if whole is not None else None
+
+
+def store(root: str, ident: dict, tensors: Mapping[str, torch.Tensor], max_bytes: int | None = None,
+          sha256: Mapping[str, str] | None = None) -> str | None:
     """Write (or overwrite) the entry, then evict down to `max_bytes` (None: no cap); None when
-    written and kept, else why not (an entry larger than the cap is evicted at once)."""
+    written and kept, else why not (an entry larger than the cap is evicted at once).
+    `sha256`: the tensors' digests where the caller has them already."""
     path = _entry(root, ident)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     entry = {
         "format": FORMAT,
         "identity": json.dumps(ident, sort_keys=True),
-        "outputs": dict(outputs),
-        "sha256": {name: tensor_sha256(t) for name, t in outputs.items()},
+        "tensors": dict(tensors),
+        "sha256": dict(sha256) if sha256 is not None else {name: tensor_sha256(t) for name, t in tensors.items()},
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

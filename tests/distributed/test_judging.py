@@ -18,7 +18,7 @@ from layers.registry import get_scope, validated
 
 from launcher.config.tolerance import read_tolerances
 from launcher.run import judging
-from launcher.run.worker import golden_outputs
+from launcher.run.rank_data import golden_outputs
 from launcher.verify.base import initial_key
 
 from ..rank_harness import run_ranks

@@ -1,27 +1,33 @@
 """The golden cache trusts only whole entries: a tampered, damaged or foreign entry is a miss.
 
-Each test fills a cache with a correct run, damages its entries the way a user, a disk or an
-older version could, and checks the next run's verdict and whether it read or rewrote them.
+Each test fills a cache with a correct run, damages its entries (goldens and inputs) the way a
+user, a disk or an older version could, and checks the next run's verdict and whether it read or
+rewrote them. Inputs read back are bit for bit a fresh draw's, and give a fresh draw's verdicts.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 
+from launcher.config.spec import run_spec
+from launcher.run.rank_data import rank_inputs
 from launcher.store import golden_cache
-from layers.contract.tensors import Kind, TensorSpec
+from layers.contract.tensors import Kind, TensorSpec, tensor_sha256
 
 SWA = dict(layer="swa", tp=2, model="tiny")
 
 
-def _entries(cache: Path) -> dict[int, Path]:
-    """The cache's entry files by rank (one case per cache here)."""
+def _entries(cache: Path, kind: str = "golden") -> dict[int, Path]:
+    """The cache's entry files of `kind` ("golden" or "inputs") by rank (one case per cache here)."""
     found = {}
     for path in cache.glob("*.pt"):
-        found[int(path.name.split("-r")[1].split("-")[0])] = path
+        if ("-inputs-" in path.name) == (kind == "inputs"):
+            found[int(path.name.split("-r")[1].split("-")[0])] = path
     return found
 
 
@@ -39,7 +45,7 @@ def test_a_tampered_entry_cannot_make_a_defect_pass(tp_run, tmp_path):
     seq = 8
 
     def perturb(entry):
-        x_out = entry["outputs"]["x_out"]
+        x_out = entry["tensors"]["x_out"]
         x_out[:seq] = x_out[:seq] * 1.5 + 0.25
 
     _edit(_entries(cache)[1], perturb)
@@ -49,29 +55,36 @@ def test_a_tampered_entry_cannot_make_a_defect_pass(tp_run, tmp_path):
     assert run.verdict("x_out")["passed"] is False
 
 
-@pytest.mark.parametrize("damage", ["flipped_bytes", "wrong_shape", "missing_key", "malformed_outputs", "garbage"])
-def test_a_damaged_entry_is_recomputed_and_replaced(tp_run, tmp_path, damage):
+# An entry of each kind, and names of tensors it holds (an output and an in-out / an input).
+ENTRY_NAMES = {"golden": ("x_out", "kv_cache"), "inputs": ("x_hc", "wq_a")}
+HITS = {"golden": "golden_cache_hits", "inputs": "input_cache_hits"}
+
+
+@pytest.mark.parametrize("kind", ["golden", "inputs"])
+@pytest.mark.parametrize("damage", ["flipped_bytes", "wrong_shape", "missing_key", "malformed_tensors", "garbage"])
+def test_a_damaged_entry_is_recomputed_and_replaced(tp_run, tmp_path, damage, kind):
     cache = tmp_path / "cache"
     assert tp_run(**SWA, golden_cache=str(cache)).passed
-    path = _entries(cache)[0]
+    path = _entries(cache, kind)[0]
+    reshaped, dropped = ENTRY_NAMES[kind]
     if damage == "flipped_bytes":
         data = bytearray(path.read_bytes())
         middle = len(data) // 2
         data[middle : middle + 4000] = bytes(b ^ 0x5A for b in data[middle : middle + 4000])
         path.write_bytes(bytes(data))
     elif damage == "wrong_shape":
-        _edit(path, lambda e: e["outputs"].__setitem__("x_out", e["outputs"]["x_out"][:8].clone()))
+        _edit(path, lambda e: e["tensors"].__setitem__(reshaped, e["tensors"][reshaped][:8].clone()))
     elif damage == "missing_key":
-        _edit(path, lambda e: e["outputs"].pop("kv_cache"))
-    elif damage == "malformed_outputs":
-        _edit(path, lambda e: e.__setitem__("outputs", [1, 2, 3]))
+        _edit(path, lambda e: e["tensors"].pop(dropped))
+    elif damage == "malformed_tensors":
+        _edit(path, lambda e: e.__setitem__("tensors", [1, 2, 3]))
     else:
         path.write_bytes(b"not a torch file")
     second = tp_run(**SWA, golden_cache=str(cache))
     assert second.passed, second
-    assert second.result["golden_cache_hits"] == [1]
+    assert second.result[HITS[kind]] == [1]
     third = tp_run(**SWA, golden_cache=str(cache))
-    assert third.passed and third.result["golden_cache_hits"] == [0, 1]  # the entry was rewritten
+    assert third.passed and third.result[HITS[kind]] == [0, 1]  # the entry was rewritten
 
 
 def test_an_unusable_cache_location_warns_and_the_run_goes_on(tp_run, tmp_path):
@@ -105,7 +118,7 @@ def test_load_checks_names_shapes_dtypes_and_digests(tmp_path):
     assert golden_cache.load(str(tmp_path), ident, extra) is None
     # A value changed without its digest: a miss.
     path = next(tmp_path.glob("*.pt"))
-    _edit(path, lambda e: e["outputs"]["x_out"].add_(1))
+    _edit(path, lambda e: e["tensors"]["x_out"].add_(1))
     assert golden_cache.load(str(tmp_path), ident, specs) is None
 
 
@@ -117,3 +130,54 @@ def test_the_source_hash_covers_nested_packages(tmp_path):
     before = golden_cache.source_hash(tmp_path)
     nested.write_text("x = 2\n")
     assert golden_cache.source_hash(tmp_path) != before
+
+
+CASES = {"swa": dict(layer="swa", tp=2, model="tiny"), "csa": dict(layer="csa", tp=2, model="tiny"),
+         "hca": dict(layer="hca", tp=2, model="tiny"),
+         "moe": dict(layer="moe", ep=2, model="tiny", layer_id=4, num_tokens=96)}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_inputs_read_from_the_cache_are_a_fresh_draw_bit_for_bit(tmp_path, name):
+    overrides = [f"{k}={v}" for k, v in CASES[name].items()] + [f"golden_cache={tmp_path}"]
+    with initialize_config_module(config_module="configs", version_base=None):
+        spec = run_spec(compose(config_name="config", overrides=overrides), str(tmp_path / "out"))
+    layer, case = spec.layer, spec.case
+    pure = layer.names_of(case, Kind.INPUT)
+    for rank in range(case.group_size):
+        stored = rank_inputs(spec, layer, case, rank, pure)
+        read = rank_inputs(spec, layer, case, rank, pure)
+        fresh = layer.rank_inputs(case, rank)
+        assert (stored.cache, read.cache) == (None, "hit")
+        assert set(read.tensors) == set(fresh)
+        for n, t in fresh.items():
+            got = read.tensors[n]
+            assert got.dtype == t.dtype and got.shape == t.shape and got.stride() == t.stride(), n
+            assert torch.equal(got.view(torch.uint8) if got.dim() else got, t.view(torch.uint8) if t.dim() else t), n
+        assert read.sha256 == {n: tensor_sha256(fresh[n]) for n in pure}
+
+
+def _verdicts(run) -> str:
+    return json.dumps([run.result["verdicts"], run.result.get("integrity")], sort_keys=True)
+
+
+@pytest.mark.parametrize("impl", ["layers.tp.TorchTP", "tests.defects.CsaMissedCommit"])
+def test_a_run_on_cached_inputs_has_the_verdicts_of_a_run_on_drawn_ones(tp_run, tmp_path, impl):
+    cache = str(tmp_path / "cache")
+    cold = tp_run(**CASES["csa"], golden_cache=None, impl=impl)
+    first = tp_run(**CASES["csa"], golden_cache=cache, impl=impl)
+    warm = tp_run(**CASES["csa"], golden_cache=cache, impl=impl)
+    assert first.result["input_cache_hits"] == [] and warm.result["input_cache_hits"] == [0, 1], warm
+    assert "inputs from the golden cache on ranks [0, 1]" in warm.report
+    assert cold.exit_code == first.exit_code == warm.exit_code == (0 if impl == "layers.tp.TorchTP" else 1)
+    assert _verdicts(cold) == _verdicts(first) == _verdicts(warm)
+
+
+def test_an_impl_that_writes_into_its_inputs_leaves_the_cached_inputs_as_drawn(tp_run, tmp_path):
+    cache = str(tmp_path / "cache")
+    assert tp_run(**SWA, golden_cache=cache).passed  # the second run's inputs are read from the cache
+    broken = tp_run(**SWA, golden_cache=cache, impl="tests.defects.CorruptPureInputs")
+    assert broken.exit_code == 2, broken
+    assert "impl changed its pure input(s) wq_a" in broken.report  # caught against the entry's digests
+    again = tp_run(**SWA, golden_cache=cache)
+    assert again.passed and again.result["input_cache_hits"] == [0, 1], again

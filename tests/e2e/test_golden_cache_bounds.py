@@ -70,14 +70,16 @@ def test_launcher_runs_keep_the_cap(tp_run, tmp_path):
     first = tp_run(layer="swa", tp=2, model="tiny", golden_cache=str(cache))
     assert first.passed
     sizes = [s for _, s in golden_cache.entries(str(cache))]
-    cap_gb = (sum(sizes) + min(sizes) // 2) / 1e9  # room for one run's two entries, not for a third
+    assert len(sizes) == 4  # each rank's golden and inputs
+    cap_gb = (sum(sizes) + min(sizes) // 2) / 1e9  # room for one run's entries, not for a fifth
 
     second = tp_run(layer="swa", tp=2, model="tiny", seed=7, golden_cache=str(cache), golden_cache_max_gb=cap_gb)
     assert second.passed and second.result["golden_cache_problems"] == []
     assert sum(s for _, s in golden_cache.entries(str(cache))) <= cap_gb * 1e9
-    assert len(golden_cache.entries(str(cache))) == 2
+    assert len(golden_cache.entries(str(cache))) == 4
     again = tp_run(layer="swa", tp=2, model="tiny", seed=7, golden_cache=str(cache), golden_cache_max_gb=cap_gb)
-    assert again.result["golden_cache_hits"] == [0, 1]  # the newest run's entries are the ones kept
+    # the newest run's entries are the ones kept
+    assert again.result["golden_cache_hits"] == [0, 1] and again.result["input_cache_hits"] == [0, 1]
 
     tight = tp_run(layer="swa", tp=2, model="tiny", seed=8, golden_cache=str(cache), golden_cache_max_gb=1e-6)
     assert tight.passed, tight  # a cache that keeps nothing never fails a run

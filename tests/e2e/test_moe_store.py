@@ -32,9 +32,9 @@ def test_a_second_identical_run_hits_the_cache_with_the_same_verdict(tp_run, tmp
 def test_a_tampered_entry_is_a_miss_for_the_whole_group(tp_run, tmp_path):
     cache = tmp_path / "cache"
     assert tp_run(**MOE, golden_cache=str(cache)).passed
-    (entry,) = [p for p in cache.glob("*.pt") if "-r1-" in p.name]
+    (entry,) = [p for p in cache.glob("*.pt") if "-r1-" in p.name and "-inputs-" not in p.name]
     tampered = torch.load(entry, weights_only=True)
-    tampered["outputs"]["x_next"][:8] += 1.0  # trusted, it would FAIL the correct implementation
+    tampered["tensors"]["x_next"][:8] += 1.0  # trusted, it would FAIL the correct implementation
     torch.save(tampered, entry)
     run = tp_run(**MOE, golden_cache=str(cache))
     assert run.passed, run

@@ -1,0 +1,142 @@
+"""A rank's data: its inputs and its golden, read from the golden cache when a whole entry is
+there, else drawn or computed and stored (`launcher.store.golden_cache`).
+
+Everything here runs on one rank, before the implementation: the inputs it returns are what
+the implementation and the golden both start from, so an entry read back must be bit for bit
+what a fresh draw gives (the cache checks every tensor's sha256), and the golden is computed
+from clones of the in-out tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from layers.contract.context import RankContext
+from layers.contract.tensors import Kind, tensor_sha256
+
+from launcher.config.spec import RunSpec
+from launcher.store import golden_cache, snapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankInputs:
+    """A rank's inputs and in-outs before the step, with what came along."""
+
+    tensors: dict[str, torch.Tensor]
+    sha256: dict[str, str]  # of the tensors named by `rank_inputs`'s `digested`
+    wo_full: tuple[torch.Tensor, torch.Tensor] | None  # the full O weights, when drawn with the shard
+    cache: str | None  # "hit", None (drawn, stored or no cache), or why the entry was not written
+
+
+def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str]) -> RankInputs:
+    """Group rank `rank`'s inputs of `case`, with the sha256 of those named by `digested`: from
+    the golden cache when its entry is whole, else drawn (with the full O weights when this rank
+    computes its golden from them, `golden_is_computed`) and stored. Without a cache, drawn."""
+    full_o = golden_is_computed(spec, layer, case, rank)
+
+    def drawn():
+        return layer.rank_inputs_and_full_o(case, rank) if full_o else (layer.rank_inputs(case, rank), None)
+
+    if spec.golden_cache is None:
+        tensors, wo_full = drawn()
+        return RankInputs(tensors, {n: tensor_sha256(tensors[n]) for n in digested}, wo_full, None)
+    specs = {n: s for n, s in layer.tensor_specs(case).items() if s.kind is not Kind.OUTPUT}
+    ident = golden_cache.inputs_identity(case, rank, spec.threads())
+    hit = golden_cache.load_entry(spec.golden_cache, ident, specs)
+    if hit is not None:  # the golden's full O weights, if it needs them, are drawn alone (`cached_golden`)
+        return RankInputs(hit.tensors, {n: hit.sha256[n] for n in digested}, None, "hit")
+    tensors, wo_full = drawn()
+    digests = {n: tensor_sha256(t) for n, t in tensors.items()}
+    problem = golden_cache.store(spec.golden_cache, ident, tensors, spec.golden_cache_max_bytes, sha256=digests)
+    if problem:
+        log.warning("golden cache %s: inputs not written: %s", spec.golden_cache, problem)
+    status = f"inputs not written: {problem}" if problem else None
+    return RankInputs(tensors, {n: digests[n] for n in digested}, wo_full, status)
+
+
+def _with_inouts_cloned(layer, case, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rank's inputs with its in-out tensors cloned: the golden updates those in place and
+    must leave the implementation's copies as they were (it runs first, so the pure inputs are
+    pristine)."""
+    inout = set(layer.names_of(case, Kind.INOUT))
+    return {n: t.clone() if n in inout else t for n, t in inputs.items()}
+
+
+def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dict[str, torch.Tensor]:
+    """The golden of this rank's shard: the TP1 layer with full O weights, on the rank's inputs
+    (`_with_inouts_cloned`)."""
+    tensors = _with_inouts_cloned(layer, case, inputs)
+    if layer.sharded_o_weights:
+        tensors["wo_a"], tensors["wo_b"] = wo_full
+    out = layer.golden(case, tensors)
+    return {n: out[n] for n in layer.compared_names(case)}
+
+
+def golden_is_computed(spec: RunSpec, layer, case, rank: int) -> bool:
+    """Whether this rank computes a golden with full O weights from its own fixture (so the
+    fixture builds them with the shard) rather than replaying or reading the cache."""
+    if spec.golden_data or not spec.golden or not layer.sharded_o_weights:
+        return False
+    if spec.golden_cache is None:
+        return True
+    return not golden_cache.exists(spec.golden_cache, golden_cache.identity(case, rank, spec.threads()))
+
+
+def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """`(golden, cache status)` of `case` on group rank `rank`: from the on-disk cache when a
+    whole entry of its identity is there (status "hit"), else computed and stored (None, or why
+    the cache could not be written: the run goes on with the computed golden). `wo_full`: the
+    full O weights when the fixture built them already."""
+    def full_o_weights():
+        if not layer.sharded_o_weights:
+            return None
+        if spec.golden_data is not None:  # replay: the full O weights are the snapshot's shards
+            return snapshot.full_o_weights(spec.golden_data)
+        return wo_full if wo_full is not None else layer.full_o_weights(case)
+
+    if spec.golden_data is not None or spec.golden_cache is None:
+        return golden_outputs(layer, case, inputs, full_o_weights()), None
+    specs = layer.tensor_specs(case)
+    ident = golden_cache.identity(case, rank, spec.threads())
+    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(case)})
+    if hit is not None:
+        return hit, "hit"
+    outputs = golden_outputs(layer, case, inputs, full_o_weights())
+    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
+    if problem:
+        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
+    return outputs, f"not written: {problem}" if problem else None
+
+
+def cached_group_golden(spec: RunSpec, layer, ctx: RankContext, inputs) -> tuple[dict[str, torch.Tensor], str | None]:
+    """`cached_golden` of a layer whose golden the group computes together (`golden_of_group`):
+    read from the cache only when every rank of the group holds a whole entry, since a rank
+    that misses needs all of them to compute it."""
+    case, rank = ctx.case, ctx.rank
+    golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
+
+    def computed():
+        return layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
+
+    if spec.golden_data is not None or spec.golden_cache is None:
+        return computed(), None
+    specs = layer.tensor_specs(case)
+    ident = golden_cache.identity(case, rank, spec.threads())
+    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(case)})
+    every_hit = torch.tensor([int(hit is not None)], device=ctx.device)
+    if case.group_size > 1:
+        dist.all_reduce(every_hit, op=dist.ReduceOp.MIN, group=ctx.group)
+    if every_hit.item():
+        return hit, "hit"
+    outputs = computed()
+    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
+    if problem:
+        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
+    return outputs, f"not written: {problem}" if problem else None
