@@ -11,7 +11,8 @@
     python scripts/bench.py plot                # scaling.png again from the figures in bench.json
 
 Every launcher run is `python -m launcher ... golden_cache=null` in a fresh interpreter (the
-cache would turn the golden stage into a file read; `flash` also measures a warm cache apart),
+cache would turn the golden and fixture stages into file reads; `sweep` and `flash` also
+measure a filled cache apart),
 timed from process start to exit. The machine is shared and noisy: each figure is the minimum
 over `--repeats` runs, and the two sides of a ratio are measured alternately in the same
 invocation, so they see the same load.
@@ -201,9 +202,10 @@ def run_launcher(out_dir: str, overrides: list[str], sample_rss: bool = False, g
     return Run(wall_s=wall, started=started, result=result, events=_events(out_dir), peak_rss=peaks, busy_core_s=busy)
 
 
-def run_sweep(sweep_dir: str, overrides: list[str]) -> SweepRun:
-    """`python -m launcher -m <overrides>` end to end, the golden cache off; every job must PASS."""
-    cmd = [sys.executable, "-m", "launcher", "-m", *overrides, "golden_cache=null", f"hydra.sweep.dir={sweep_dir}"]
+def run_sweep(sweep_dir: str, overrides: list[str], golden_cache: str = "null") -> SweepRun:
+    """`python -m launcher -m <overrides>` end to end, the golden cache off unless given; every job must PASS."""
+    cmd = [sys.executable, "-m", "launcher", "-m", *overrides, f"golden_cache={golden_cache}",
+           f"hydra.sweep.dir={sweep_dir}"]
     started, t0, busy = time.time(), time.perf_counter(), _busy_core_s()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall, busy = time.perf_counter() - t0, _busy_since(busy)
@@ -255,19 +257,30 @@ def bench_launch(tmp: str, repeats: int) -> dict:
 
 
 def bench_sweep(tmp: str, repeats: int) -> dict:
-    """`python -m launcher -m +sweep=smoke` (six tiny jobs) vs one tiny SWA tp=8 run, and the
-    same sweep on fresh rank processes for every job (`warm_ranks=false`), alternated."""
-    one, warm, cold = [], [], []
+    """`python -m launcher -m +sweep=smoke` (six tiny jobs) vs one tiny SWA tp=8 run, the same
+    sweep on fresh rank processes for every job (`warm_ranks=false`), and both commands again
+    with a golden cache a first run of each filled (a sweep rerun unchanged, as in a CI loop),
+    alternated."""
+    cache = os.path.join(tmp, "sweep-golden-cache")
+    run_launcher(os.path.join(tmp, "one-fill"), case_keys("swa", "tiny", 8), golden_cache=cache)
+    run_sweep(os.path.join(tmp, "sweep-fill"), ["+sweep=smoke"], golden_cache=cache)
+    one, warm, cold, one_cached, warm_cached = [], [], [], [], []
     for i in range(repeats):
         one.append(run_launcher(os.path.join(tmp, f"one{i}"), case_keys("swa", "tiny", 8)))
         warm.append(run_sweep(os.path.join(tmp, f"warm{i}"), ["+sweep=smoke"]))
         cold.append(run_sweep(os.path.join(tmp, f"cold{i}"), ["+sweep=smoke", "warm_ranks=false"]))
-    best_one, best_warm, best_cold = (min(runs, key=lambda r: r.wall_s) for runs in (one, warm, cold))
+        one_cached.append(run_launcher(os.path.join(tmp, f"one-cached{i}"), case_keys("swa", "tiny", 8),
+                                       golden_cache=cache))
+        warm_cached.append(run_sweep(os.path.join(tmp, f"warm-cached{i}"), ["+sweep=smoke"], golden_cache=cache))
+    best_one, best_warm, best_cold, best_one_cached, best_warm_cached = (
+        min(runs, key=lambda r: r.wall_s) for runs in (one, warm, cold, one_cached, warm_cached))
     return {"one_s": best_one.wall_s, "warm_s": best_warm.wall_s, "cold_s": best_cold.wall_s,
             "one_all_s": [r.wall_s for r in one], "warm_all_s": [r.wall_s for r in warm],
             "cold_all_s": [r.wall_s for r in cold], "ratio": best_warm.wall_s / best_one.wall_s, "target": 1.5,
             "cold_ratio": best_cold.wall_s / best_one.wall_s, "phases": best_warm.phases(),
-            "one_busy_core_s": best_one.busy_core_s, "warm_busy_core_s": best_warm.busy_core_s}
+            "one_busy_core_s": best_one.busy_core_s, "warm_busy_core_s": best_warm.busy_core_s,
+            "one_cached_s": best_one_cached.wall_s, "warm_cached_s": best_warm_cached.wall_s,
+            "cached_ratio": best_warm_cached.wall_s / best_one_cached.wall_s}
 
 
 def golden_alone(layer: str, model: str, tp: int, local_t: int, threads: int) -> dict:
@@ -618,6 +631,11 @@ def report_sweep(r: dict) -> str:
         [f"**ratio** sweep / one run (target <= {r['target']})", f"**{r['ratio']:.2f}**"],
         ["ratio with fresh ranks per job", f"{r['cold_ratio']:.2f}"],
     ]
+    if "cached_ratio" in r:  # a bench.json from before has no warm-cache pair
+        rows += [
+            ["with a filled golden cache: one run / the sweep", f"{r['one_cached_s']:.2f} / {r['warm_cached_s']:.2f}"],
+            ["ratio with a filled golden cache", f"{r['cached_ratio']:.2f}"],
+        ]
     ph = r.get("phases")  # bench.json of a version before the breakdown has none
     if ph:
         rows += [

@@ -321,6 +321,10 @@ def test_bench_counts_the_machines_busy_time_and_the_sweeps_cpu_budget(monkeypat
     assert f"| CPU of the sweep (busy core-s of the {cores * 3.5:.2f} its wall offered) | 6.60 |" in rows
     assert f"| core-s a sweep at the target could use at most ({cores} cores x 1.5 x one run) | {cores * 3.0:.2f} |" in rows
     assert not any("CPU" in row for row in bench.report_sweep({**figures, "warm_busy_core_s": None}).splitlines())
+    assert not any("golden cache" in row for row in rows)  # a bench.json from before the warm-cache pair
+    cached = bench.report_sweep({**figures, "one_cached_s": 1.9, "warm_cached_s": 3.1, "cached_ratio": 1.63})
+    assert "| with a filled golden cache: one run / the sweep | 1.90 / 3.10 |" in cached.splitlines()
+    assert "| ratio with a filled golden cache | 1.63 |" in cached.splitlines()
 
 
 def test_console_report_of_a_node_without_rank_0():
