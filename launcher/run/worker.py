@@ -321,7 +321,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         else:
             made = rank_inputs(spec, layer, case, grank, pure)
             inputs, input_digests, wo_full, inputs_cache = made.tensors, made.sha256, made.wo_full, made.cache
-            del made
+            del made  # the tensors go with `inputs`, before the judges stack theirs
         with implementation_contract(rank):
             impl = instantiate(spec.impl)
     # Every reference is made before the implementation runs, from clones of the inputs:
