@@ -22,7 +22,7 @@ from .contract.checks import AllcloseCheck, Check, PoolCheck, RelDiffCheck
 from .contract.config import ConfigError, ModelConfig
 from .contract.context import RankContext
 from .contract.stage import Stage, Values
-from .contract.tensors import Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .fixtures import csa as csa_fixture
 from .staged import bf16_close, exact, fp32_close, judged, pool_written
 
@@ -208,6 +208,11 @@ ATTENTION_READS = (
 class CSALayer(AttentionLayer):
     name = "csa"
     o_recipe = csa_fixture.O_RECIPE
+    # The fixture's replicated weights and pools (`replicated_weights`, `replicated_pools`).
+    replicated_inputs = FRONT_WEIGHTS | {
+        "attn_sink", "freqs_cos", "freqs_sin", "cmp_wkv", "cmp_wgate", "cmp_ape", "cmp_norm_w", "idx_wq_b",
+        "idx_wq_b_scale", "weights_proj", "hadamard_idx", "inner_wkv", "inner_wgate", "inner_ape", "inner_norm_w",
+        "compress_state", "inner_compress_state", "kv_cache", "cmp_kv", "idx_kv_cache", "idx_kv_scale"}
 
     def stages(self, model: ModelConfig) -> tuple[Stage, ...]:
         c = {check.output: check for check in self._checks(model)}

@@ -23,7 +23,7 @@ from .contract.checks import Check, PoolCheck, RelDiffCheck
 from .contract.config import ConfigError, ModelConfig, ceil_div
 from .contract.context import RankContext
 from .contract.stage import Stage, Values
-from .contract.tensors import Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .fixtures import hca as fixture
 from .staged import bf16_close, exact, judged, pool_written
 
@@ -129,6 +129,9 @@ COMPRESSOR_READS = (
 class HCALayer(AttentionLayer):
     name = "hca"
     o_recipe = fixture.O_RECIPE
+    # The fixture's replicated weights and pools (`_replicated_values`).
+    replicated_inputs = FRONT_WEIGHTS | {
+        "attn_sink", "cmp_wkv", "cmp_wgate", "cmp_ape", "cmp_norm_w", "compress_state", "kv_cache", "cmp_kv"}
 
     def stages(self, model: ModelConfig) -> tuple[Stage, ...]:
         state, kv_cache, cmp_kv, x_out = self._checks(model)

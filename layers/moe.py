@@ -348,6 +348,10 @@ class MoELayer(StagedLayer):
     name = "moe"
     sharded_o_weights = False
     golden_per_rank = False
+    # The fixture's `replicated_inputs`: the hc and norm weights, the gate, the shared expert.
+    replicated_inputs = frozenset({
+        "hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base", "norm_w", "gate_w", "gate_bias", "tid2eid", "shared_w1",
+        "shared_w1_scale", "shared_w3", "shared_w3_scale", "shared_w2", "shared_w2_scale"})
 
     def stages(self, model) -> tuple[Stage, ...]:
         return _stages(model)

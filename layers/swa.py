@@ -19,7 +19,7 @@ from .contract.checks import Check, PoolCheck, RelDiffCheck
 from .contract.config import ConfigError, ModelConfig
 from .contract.context import RankContext
 from .contract.stage import Stage, Values
-from .contract.tensors import Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from .contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
 from .fixtures import swa as fixture
 from .staged import bf16_close, exact, judged
 
@@ -55,6 +55,7 @@ def _attention(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
 class SWALayer(AttentionLayer):
     name = "swa"
     o_recipe = fixture.O_RECIPE
+    replicated_inputs = FRONT_WEIGHTS | {"attn_sink"}  # the fixture's `replicated_weights`
 
     def stages(self, model: ModelConfig) -> tuple[Stage, ...]:
         kv_cache, x_out = self._checks(model)

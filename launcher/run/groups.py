@@ -41,6 +41,11 @@ class GroupLayout:
     def ranks_of(self, group: int) -> list[int]:
         return list(range(group * self.tp, (group + 1) * self.tp))
 
+    def leads_group_on(self, node_ranks: range) -> bool:
+        """Whether this rank is its group's first among `node_ranks` (the global ranks of a node)."""
+        here = [r for r in self.ranks_of(self.group) if r in node_ranks]
+        return bool(here) and self.rank == here[0]
+
 
 def tp_process_group(layout: GroupLayout):
     """This rank's TP group. Every rank creates every group, in the same order (a collective

@@ -35,10 +35,13 @@ class RankInputs:
     cache: str | None  # "hit", None (drawn, stored or no cache), or why the entry was not written
 
 
-def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str]) -> RankInputs:
+def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stores_group: bool) -> RankInputs:
     """Group rank `rank`'s inputs of `case`, with the sha256 of those named by `digested`: from
-    the golden cache when its entry is whole, else drawn (with the full O weights when this rank
-    computes its golden from them, `golden_is_computed`) and stored. Without a cache, drawn."""
+    the golden cache when its entries are whole (the rank's own, and the group's of what every
+    rank holds alike, `Layer.replicated_inputs`), else drawn (with the full O weights when this
+    rank computes its golden from them, `golden_is_computed`) and stored: the rank's own entry
+    by every rank, the group's by the rank `stores_group` names (one per group and node).
+    Without a cache, drawn."""
     full_o = golden_is_computed(spec, layer, case, rank)
 
     def drawn():
@@ -48,13 +51,27 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str]) -> R
         tensors, wo_full = drawn()
         return RankInputs(tensors, {n: tensor_sha256(tensors[n]) for n in digested}, wo_full, None)
     specs = {n: s for n, s in layer.tensor_specs(case).items() if s.kind is not Kind.OUTPUT}
-    ident = golden_cache.inputs_identity(case, rank, spec.threads())
-    hit = golden_cache.load_entry(spec.golden_cache, ident, specs)
-    if hit is not None:  # the golden's full O weights, if it needs them, are drawn alone (`cached_golden`)
-        return RankInputs(hit.tensors, {n: hit.sha256[n] for n in digested}, None, "hit")
+    parts = {  # entry -> its identity and the names it holds
+        "own": (golden_cache.inputs_identity(case, rank, spec.threads()),
+                [n for n in specs if n not in layer.replicated_inputs]),
+        "group": (golden_cache.inputs_identity(case, None, spec.threads()),
+                  [n for n in specs if n in layer.replicated_inputs]),
+    }
+    read = {part: golden_cache.load_entry(spec.golden_cache, ident, {n: specs[n] for n in names})
+            for part, (ident, names) in parts.items() if names}
+    if all(entry is not None for entry in read.values()):
+        # The golden's full O weights, if it needs them, are drawn alone (`cached_golden`).
+        tensors = {n: e.tensors[n] for e in read.values() for n in e.tensors}
+        digests = {n: d for e in read.values() for n, d in e.sha256.items()}
+        return RankInputs({n: tensors[n] for n in specs}, {n: digests[n] for n in digested}, None, "hit")
     tensors, wo_full = drawn()
     digests = {n: tensor_sha256(t) for n, t in tensors.items()}
-    problem = golden_cache.store(spec.golden_cache, ident, tensors, spec.golden_cache_max_bytes, sha256=digests)
+    problems = []
+    for part, (ident, names) in parts.items():
+        if part in read and read[part] is None and (part == "own" or stores_group):
+            problems.append(golden_cache.store(spec.golden_cache, ident, {n: tensors[n] for n in names},
+                                               spec.golden_cache_max_bytes, sha256={n: digests[n] for n in names}))
+    problem = next((p for p in problems if p), None)
     if problem:
         log.warning("golden cache %s: inputs not written: %s", spec.golden_cache, problem)
     status = f"inputs not written: {problem}" if problem else None

@@ -319,7 +319,8 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             inputs = snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs)
             input_digests = {n: tensor_sha256(inputs[n]) for n in pure}
         else:
-            made = rank_inputs(spec, layer, case, grank, pure)
+            node_ranks = range(spec.rank_base, spec.rank_base + spec.local_ranks)
+            made = rank_inputs(spec, layer, case, grank, pure, stores_group=layout.leads_group_on(node_ranks))
             inputs, input_digests, wo_full, inputs_cache = made.tensors, made.sha256, made.wo_full, made.cache
             del made  # the tensors go with `inputs`, before the judges stack theirs
         with implementation_contract(rank):

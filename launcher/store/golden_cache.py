@@ -4,8 +4,9 @@ keyed by everything they depend on.
 The identity is the case (layer, every model field, tp, local_t, seed, start positions), the
 rank, the intra-op thread count (CPU GEMM blocking changes last bits), the torch version and a
 hash of the `layers` package source, so an edit of any golden, fixture or component invalidates
-every entry. A rank's inputs are an entry of their own (`inputs_identity`): drawing them takes
-longer than reading them back at every size (a flash CSA rank: 0.9 s against 0.2 s). Entries
+every entry. A rank's inputs are entries of their own (`inputs_identity`), those every rank of
+the group holds alike in one entry for the group: drawing them takes longer than reading them
+back at every size (a flash CSA rank: 0.9 s against 0.2 s). Entries
 are written atomically (temp file + rename): concurrent sweeps and xdist workers never read a
 half-written entry.
 
@@ -78,16 +79,18 @@ def identity(case: Case, rank: int, threads: int) -> dict:
     }
 
 
-def inputs_identity(case: Case, rank: int, threads: int) -> dict:
-    """The identity of the inputs (and in-outs before the step) of `case` on `rank`."""
-    return {**identity(case, rank, threads), "tensors": "inputs"}
+def inputs_identity(case: Case, rank: int | None, threads: int) -> dict:
+    """The identity of the inputs (and in-outs before the step) of `case` on `rank`; with
+    `rank` None, of those every rank of the group holds alike (`Layer.replicated_inputs`)."""
+    return {**identity(case, 0, threads), "rank": "group" if rank is None else rank, "tensors": "inputs"}
 
 
 def _entry(root: str, ident: dict) -> Path:
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     size = f"tp{ident['tp']}" if "tp" in ident else f"ep{ident.get('ep')}"
+    who = f"r{ident['rank']}" if isinstance(ident["rank"], int) else ident["rank"]
     kind = f"-{ident['tensors']}" if "tensors" in ident else ""
-    return Path(root) / f"{ident['layer']}-{size}-r{ident['rank']}{kind}-{key}.pt"
+    return Path(root) / f"{ident['layer']}-{size}-{who}{kind}-{key}.pt"
 
 
 def exists(root: str, ident: dict) -> bool:

@@ -34,6 +34,10 @@ class Layer(abc.ABC):
     # Each rank computes the golden of its own shard alone (`golden`); a layer whose golden
     # needs every rank's data (the MoE routes) computes it with its group (`golden_of_group`).
     golden_per_rank: ClassVar[bool] = True
+    # The inputs (in-outs before the step included) every rank of a group holds alike in every
+    # case: drawn from the seed and model alone, or from the group's whole batch. The golden
+    # cache stores them once per group instead of once per rank.
+    replicated_inputs: ClassVar[frozenset[str]] = frozenset()
 
     @abc.abstractmethod
     def validate(self, case: Case) -> None:

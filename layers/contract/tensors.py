@@ -57,6 +57,11 @@ def front_tensor_specs(model: ModelConfig, local_t: int) -> dict[str, TensorSpec
     }
 
 
+# The front's weights, which every attention layer's fixture draws alike on every rank.
+FRONT_WEIGHTS = frozenset({"hc_attn_fn", "hc_attn_scale", "hc_attn_base", "attn_norm_w", "wq_a", "wq_b",
+                           "wq_b_scale", "wkv", "gamma_cq", "gamma_ckv"})
+
+
 def tail_tensor_specs(case: Case) -> dict[str, TensorSpec]:
     """The tensors every layer ends with: the sink, the rank's O-projection shards, the
     `local_t` scalar and the pure output x_out (spec order)."""
@@ -72,4 +77,4 @@ def tail_tensor_specs(case: Case) -> dict[str, TensorSpec]:
     }
 
 
-__all__ = ["Kind", "TensorSpec", "front_tensor_specs", "tail_tensor_specs"]
+__all__ = ["FRONT_WEIGHTS", "Kind", "TensorSpec", "front_tensor_specs", "tail_tensor_specs"]

@@ -18,16 +18,23 @@ from launcher.config.spec import run_spec
 from launcher.run.rank_data import rank_inputs
 from launcher.store import golden_cache
 from layers.contract.tensors import Kind, TensorSpec, tensor_sha256
+from layers.registry import get_layer as layer_of
 
 SWA = dict(layer="swa", tp=2, model="tiny")
 
 
-def _entries(cache: Path, kind: str = "golden") -> dict[int, Path]:
-    """The cache's entry files of `kind` ("golden" or "inputs") by rank (one case per cache here)."""
+def _entries(cache: Path, kind: str = "golden") -> dict[int | None, Path]:
+    """The cache's entry files of `kind` by rank (one case per cache here): "golden", "inputs"
+    (a rank's own) or "group" (the inputs every rank holds alike, under the key None)."""
     found = {}
     for path in cache.glob("*.pt"):
-        if ("-inputs-" in path.name) == (kind == "inputs"):
-            found[int(path.name.split("-r")[1].split("-")[0])] = path
+        if "-group-inputs-" in path.name:
+            entry_kind, rank = "group", None
+        else:
+            entry_kind = "inputs" if "-inputs-" in path.name else "golden"
+            rank = int(path.name.split("-r")[1].split("-")[0])
+        if entry_kind == kind:
+            found[rank] = path
     return found
 
 
@@ -55,17 +62,20 @@ def test_a_tampered_entry_cannot_make_a_defect_pass(tp_run, tmp_path):
     assert run.verdict("x_out")["passed"] is False
 
 
-# An entry of each kind, and names of tensors it holds (an output and an in-out / an input).
-ENTRY_NAMES = {"golden": ("x_out", "kv_cache"), "inputs": ("x_hc", "wq_a")}
-HITS = {"golden": "golden_cache_hits", "inputs": "input_cache_hits"}
+# An entry of each kind, names of tensors it holds (an output or input, an in-out or input),
+# and the ranks that may still read theirs when rank 0's (or the group's) is damaged: rank 1
+# may find the group's entry already rewritten by rank 0 of the same run.
+ENTRY_NAMES = {"golden": ("x_out", "kv_cache"), "inputs": ("x_hc", "kv_cache"), "group": ("wq_a", "wkv")}
+HITS = {"golden": "golden_cache_hits", "inputs": "input_cache_hits", "group": "input_cache_hits"}
+STILL_HIT = {"golden": ([1],), "inputs": ([1],), "group": ([], [1])}
 
 
-@pytest.mark.parametrize("kind", ["golden", "inputs"])
+@pytest.mark.parametrize("kind", ["golden", "inputs", "group"])
 @pytest.mark.parametrize("damage", ["flipped_bytes", "wrong_shape", "missing_key", "malformed_tensors", "garbage"])
 def test_a_damaged_entry_is_recomputed_and_replaced(tp_run, tmp_path, damage, kind):
     cache = tmp_path / "cache"
     assert tp_run(**SWA, golden_cache=str(cache)).passed
-    path = _entries(cache, kind)[0]
+    path = _entries(cache, kind)[None if kind == "group" else 0]
     reshaped, dropped = ENTRY_NAMES[kind]
     if damage == "flipped_bytes":
         data = bytearray(path.read_bytes())
@@ -82,7 +92,7 @@ def test_a_damaged_entry_is_recomputed_and_replaced(tp_run, tmp_path, damage, ki
         path.write_bytes(b"not a torch file")
     second = tp_run(**SWA, golden_cache=str(cache))
     assert second.passed, second
-    assert second.result[HITS[kind]] == [1]
+    assert second.result[HITS[kind]] in STILL_HIT[kind]
     third = tp_run(**SWA, golden_cache=str(cache))
     assert third.passed and third.result[HITS[kind]] == [0, 1]  # the entry was rewritten
 
@@ -145,8 +155,8 @@ def test_inputs_read_from_the_cache_are_a_fresh_draw_bit_for_bit(tmp_path, name)
     layer, case = spec.layer, spec.case
     pure = layer.names_of(case, Kind.INPUT)
     for rank in range(case.group_size):
-        stored = rank_inputs(spec, layer, case, rank, pure)
-        read = rank_inputs(spec, layer, case, rank, pure)
+        stored = rank_inputs(spec, layer, case, rank, pure, stores_group=rank == 0)
+        read = rank_inputs(spec, layer, case, rank, pure, stores_group=False)
         fresh = layer.rank_inputs(case, rank)
         assert (stored.cache, read.cache) == (None, "hit")
         assert set(read.tensors) == set(fresh)
@@ -181,3 +191,40 @@ def test_an_impl_that_writes_into_its_inputs_leaves_the_cached_inputs_as_drawn(t
     assert "impl changed its pure input(s) wq_a" in broken.report  # caught against the entry's digests
     again = tp_run(**SWA, golden_cache=cache)
     assert again.passed and again.result["input_cache_hits"] == [0, 1], again
+
+
+def test_one_group_entry_holds_what_every_rank_holds_alike(tp_run, tmp_path):
+    cache = tmp_path / "cache"
+    assert tp_run(**CASES["csa"], golden_cache=str(cache)).passed
+    group, own = _entries(cache, "group"), _entries(cache, "inputs")
+    assert list(group) == [None] and sorted(own) == [0, 1]
+    shared = torch.load(group[None], weights_only=True)["tensors"]
+    assert set(shared) == layer_of("csa").replicated_inputs
+    for path in own.values():
+        assert not set(torch.load(path, weights_only=True)["tensors"]) & set(shared)
+    # The replicated weights and pools are the bulk of a rank's inputs.
+    assert group[None].stat().st_size > sum(p.stat().st_size for p in own.values())
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("swa", ["layer=swa", "tp=4"]), ("swa", ["layer=swa", "tp=2", "+starts=mixed"]),
+    ("csa", ["layer=csa", "tp=4"]), ("csa", ["layer=csa", "tp=2", "dp=2"]),
+    ("hca", ["layer=hca", "tp=4"]), ("hca", ["layer=hca", "tp=2", "+starts=mixed"]),
+    ("moe", ["layer=moe", "ep=4", "layer_id=4", "num_tokens=96"]),
+])
+def test_the_replicated_inputs_a_layer_declares_are_alike_on_every_rank(name, overrides):
+    """`Layer.replicated_inputs` is a promise the golden cache stores once per group on: a name
+    wrongly in it would hand every rank the first rank's tensor under a valid digest."""
+    with initialize_config_module(config_module="configs", version_base=None):
+        spec = run_spec(compose(config_name="config", overrides=[*overrides, "model=tiny"]), "/x")
+    layer = spec.layer
+    for group in range(spec.dp):
+        case = spec.case.of_group(group)
+        inputs = [layer.rank_inputs(case, r) for r in range(case.group_size)]
+        assert layer.replicated_inputs <= set(inputs[0]), name
+        for n in layer.replicated_inputs:
+            assert all(torch.equal(inputs[0][n], x[n]) for x in inputs[1:]), (name, n)
+        own = [t for n, t in inputs[0].items() if n not in layer.replicated_inputs]
+        shared = [t for n, t in inputs[0].items() if n in layer.replicated_inputs]
+        # Stored apart, they must not alias: an in-place write to one would reach the other.
+        assert not {t.untyped_storage().data_ptr() for t in own} & {t.untyped_storage().data_ptr() for t in shared}

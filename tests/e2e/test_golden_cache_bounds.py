@@ -70,13 +70,13 @@ def test_launcher_runs_keep_the_cap(tp_run, tmp_path):
     first = tp_run(layer="swa", tp=2, model="tiny", golden_cache=str(cache))
     assert first.passed
     sizes = [s for _, s in golden_cache.entries(str(cache))]
-    assert len(sizes) == 4  # each rank's golden and inputs
-    cap_gb = (sum(sizes) + min(sizes) // 2) / 1e9  # room for one run's entries, not for a fifth
+    assert len(sizes) == 5  # each rank's golden and inputs, the group's inputs
+    cap_gb = (sum(sizes) + min(sizes) // 2) / 1e9  # room for one run's entries, not for a sixth
 
     second = tp_run(layer="swa", tp=2, model="tiny", seed=7, golden_cache=str(cache), golden_cache_max_gb=cap_gb)
     assert second.passed and second.result["golden_cache_problems"] == []
     assert sum(s for _, s in golden_cache.entries(str(cache))) <= cap_gb * 1e9
-    assert len(golden_cache.entries(str(cache))) == 4
+    assert len(golden_cache.entries(str(cache))) == 5
     again = tp_run(layer="swa", tp=2, model="tiny", seed=7, golden_cache=str(cache), golden_cache_max_gb=cap_gb)
     # the newest run's entries are the ones kept
     assert again.result["golden_cache_hits"] == [0, 1] and again.result["input_cache_hits"] == [0, 1]
