@@ -209,8 +209,11 @@ def test_one_group_entry_holds_what_every_rank_holds_alike(tp_run, tmp_path):
 @pytest.mark.parametrize("name, overrides", [
     ("swa", ["layer=swa", "tp=4"]), ("swa", ["layer=swa", "tp=2", "+starts=mixed"]),
     ("csa", ["layer=csa", "tp=4"]), ("csa", ["layer=csa", "tp=2", "dp=2"]),
+    ("csa", ["layer=csa", "tp=2", "+starts=mixed"]),
     ("hca", ["layer=hca", "tp=4"]), ("hca", ["layer=hca", "tp=2", "+starts=mixed"]),
+    ("hca", ["layer=hca", "tp=2", "dp=2"]),
     ("moe", ["layer=moe", "ep=4", "layer_id=4", "num_tokens=96"]),
+    ("moe", ["layer=moe", "ep=2", "dp=2", "layer_id=4", "num_tokens=96"]),
 ])
 def test_the_replicated_inputs_a_layer_declares_are_alike_on_every_rank(name, overrides):
     """`Layer.replicated_inputs` is a promise the golden cache stores once per group on: a name
