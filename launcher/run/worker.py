@@ -281,6 +281,14 @@ def run_job(spec: RunSpec, device: torch.device):
     return result
 
 
+def node_ranks(spec: RunSpec) -> range:
+    """The global ranks of this rank's node, from the launcher's environment (every launcher
+    places a node's ranks one after another and sets LOCAL_RANK and LOCAL_WORLD_SIZE)."""
+    first = int(os.environ["RANK"]) - int(os.environ.get("LOCAL_RANK", 0))
+    size = os.environ.get("LOCAL_WORLD_SIZE")
+    return range(first, first + (int(size) if size else spec.local_ranks))
+
+
 class ReferenceFailed(RuntimeError):
     """A peer's golden (or its snapshot's reference) failed: this rank stops before the
     implementation runs."""
@@ -319,8 +327,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             inputs = snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs)
             input_digests = {n: tensor_sha256(inputs[n]) for n in pure}
         else:
-            node_ranks = range(spec.rank_base, spec.rank_base + spec.local_ranks)
-            made = rank_inputs(spec, layer, case, grank, pure, stores_group=layout.leads_group_on(node_ranks))
+            made = rank_inputs(spec, layer, case, grank, pure, stores_group=layout.leads_group_on(node_ranks(spec)))
             inputs, input_digests, wo_full, inputs_cache = made.tensors, made.sha256, made.wo_full, made.cache
             del made  # the tensors go with `inputs`, before the judges stack theirs
         with implementation_contract(rank):

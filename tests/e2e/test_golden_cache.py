@@ -15,7 +15,9 @@ import torch
 from hydra import compose, initialize_config_module
 
 from launcher.config.spec import run_spec
+from launcher.run.groups import GroupLayout
 from launcher.run.rank_data import rank_inputs
+from launcher.run.worker import node_ranks
 from launcher.store import golden_cache
 from layers.contract.tensors import Kind, TensorSpec, tensor_sha256
 from layers.registry import get_layer as layer_of
@@ -231,3 +233,15 @@ def test_the_replicated_inputs_a_layer_declares_are_alike_on_every_rank(name, ov
         shared = [t for n, t in inputs[0].items() if n in layer.replicated_inputs]
         # Stored apart, they must not alias: an in-place write to one would reach the other.
         assert not {t.untyped_storage().data_ptr() for t in own} & {t.untyped_storage().data_ptr() for t in shared}
+
+
+def test_one_rank_per_group_and_node_writes_the_groups_entry(monkeypatch):
+    # Two nodes of four ranks: tp=4 dp=2 puts a group on each node; tp=8 spans both.
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    node = node_ranks(None)
+    assert node == range(4, 8)
+    writers = {(dp, tp): [r for r in range(8) if GroupLayout(dp, tp, r).leads_group_on(node)]
+               for dp, tp in ((2, 4), (1, 8), (4, 2))}
+    assert writers == {(2, 4): [4], (1, 8): [4], (4, 2): [4, 6]}
