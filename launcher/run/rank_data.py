@@ -65,12 +65,12 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
         digests = {n: d for e in read.values() for n, d in e.sha256.items()}
         return RankInputs({n: tensors[n] for n in specs}, {n: digests[n] for n in digested}, None, "hit")
     tensors, wo_full = drawn()
-    digests = {n: tensor_sha256(t) for n, t in tensors.items()}
-    problems = []
-    for part, (ident, names) in parts.items():
-        if part in read and read[part] is None and (part == "own" or stores_group):
-            problems.append(golden_cache.store(spec.golden_cache, ident, {n: tensors[n] for n in names},
-                                               spec.golden_cache_max_bytes, sha256={n: digests[n] for n in names}))
+    to_store = [(ident, names) for part, (ident, names) in parts.items()
+                if part in read and read[part] is None and (part == "own" or stores_group)]
+    digests = {n: tensor_sha256(tensors[n]) for n in set(digested).union(*(names for _, names in to_store))}
+    problems = [golden_cache.store(spec.golden_cache, ident, {n: tensors[n] for n in names},
+                                   spec.golden_cache_max_bytes, sha256={n: digests[n] for n in names})
+                for ident, names in to_store]
     problem = next((p for p in problems if p), None)
     if problem:
         log.warning("golden cache %s: inputs not written: %s", spec.golden_cache, problem)
