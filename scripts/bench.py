@@ -21,7 +21,8 @@ and so do the phases of a run or a sweep (a sweep is cut at each job's first and
 per-rank peak RSS is the VmHWM of each rank process, sampled from /proc while it runs (ranks
 are told apart by the per-rank stdout log their fd 1 points to); the CPU a run or a sweep took
 is the machine's busy time while it ran (/proc/stat: every process on the machine, so read it
-on a quiet one), against the core-seconds its wall time offered. Results go to stdout as
+on a quiet one), against the core-seconds its wall time offered, and the ranks' own CPU in
+their stages is result.json's `rank_cpu_seconds`, summed. Results go to stdout as
 Markdown tables and to `<out>/bench.json`; `scaling` also writes `<out>/scaling.png`, drawn
 with matplotlib (the `plots` extra). `golden-alone` is the one-process
 reference the flash ratio divides by (run as a subprocess of `flash`).
@@ -73,6 +74,9 @@ class Run:
     peak_rss: dict[int, int] = field(default_factory=dict)  # local rank -> VmHWM bytes
     busy_core_s: float | None = None  # the machine's busy CPU time while it ran
 
+    def stage_cpu_s(self) -> float | None:
+        return _stage_cpu_s(self.result)
+
     def stage_walls(self) -> dict[str, float]:
         """Per stage: first start to last done over all ranks (ranks run a stage concurrently)."""
         spans: dict[str, list[float]] = {}
@@ -100,6 +104,7 @@ class SweepRun:
     started: float  # time.time() just before the process was started
     jobs: list[list[dict]]  # the stage events of every job, in job order
     busy_core_s: float | None = None  # the machine's busy CPU time while it ran
+    stage_cpu_s: float | None = None  # every job's ranks' CPU in their stages, summed
 
     def phases(self) -> dict[str, float]:
         """The sweep cut at each job's first and last rank events: start-up (imports, every
@@ -125,6 +130,12 @@ def _busy_core_s() -> float | None:
 def _busy_since(before: float | None) -> float | None:
     after = _busy_core_s()
     return None if before is None or after is None else after - before
+
+
+def _stage_cpu_s(result: dict) -> float | None:
+    """The CPU every rank of a run spent in its stages (fixture .. compare), summed."""
+    per_rank = result.get("rank_cpu_seconds")
+    return None if per_rank is None else sum(sum(stages.values()) for stages in per_rank)
 
 
 def _events(out_dir: str) -> list[dict]:
@@ -210,8 +221,12 @@ def run_sweep(sweep_dir: str, overrides: list[str], golden_cache: str = "null") 
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall, busy = time.perf_counter() - t0, _busy_since(busy)
     jobs = sorted((d for d in os.listdir(sweep_dir) if d.isdigit()), key=int)
+    cpu = []
+    for d in jobs:
+        with open(os.path.join(sweep_dir, d, "result.json")) as f:
+            cpu.append(_stage_cpu_s(json.load(f)))
     return SweepRun(wall_s=wall, started=started, jobs=[_events(os.path.join(sweep_dir, d)) for d in jobs],
-                    busy_core_s=busy)
+                    busy_core_s=busy, stage_cpu_s=None if None in cpu else sum(cpu))
 
 
 def timed(cmd: list[str], **kw) -> float:
@@ -279,6 +294,9 @@ def bench_sweep(tmp: str, repeats: int) -> dict:
             "cold_all_s": [r.wall_s for r in cold], "ratio": best_warm.wall_s / best_one.wall_s, "target": 1.5,
             "cold_ratio": best_cold.wall_s / best_one.wall_s, "phases": best_warm.phases(),
             "one_busy_core_s": best_one.busy_core_s, "warm_busy_core_s": best_warm.busy_core_s,
+            "one_stage_cpu_s": best_one.stage_cpu_s(), "warm_stage_cpu_s": best_warm.stage_cpu_s,
+            "one_cached_stage_cpu_s": best_one_cached.stage_cpu_s(),
+            "warm_cached_stage_cpu_s": best_warm_cached.stage_cpu_s,
             "one_cached_s": best_one_cached.wall_s, "warm_cached_s": best_warm_cached.wall_s,
             "cached_ratio": best_warm_cached.wall_s / best_one_cached.wall_s}
 
@@ -651,6 +669,18 @@ def report_sweep(r: dict) -> str:
             [f"CPU of the one run (busy core-s of the {CORES * r['one_s']:.2f} its wall offered)", f"{one_cpu:.2f}"],
             [f"CPU of the sweep (busy core-s of the {CORES * r['warm_s']:.2f} its wall offered)", f"{sweep_cpu:.2f}"],
             [f"core-s a sweep at the target could use at most ({CORES} cores x {r['target']} x one run)", f"{cap:.2f}"],
+        ]
+    for pair, one_s in (("", r["one_s"]), ("cached_", r.get("one_cached_s"))):
+        one_stages, sweep_stages = r.get(f"one_{pair}stage_cpu_s"), r.get(f"warm_{pair}stage_cpu_s")
+        if one_stages is None or sweep_stages is None:  # a bench.json from before has none
+            continue
+        cache = ", filled golden cache" if pair else ""
+        rows += [
+            [f"the ranks' CPU in their stages (fixture .. compare){cache}, core-s: one run / the sweep",
+             f"{one_stages:.2f} / {sweep_stages:.2f}"],
+            [f"the sweep's extra jobs' stage CPU over {CORES} cores (their wall at best){cache} / the target's room "
+             f"({r['target'] - 1:g} x one run), s", f"{(sweep_stages - one_stages) / CORES:.2f} / "
+             f"{(r['target'] - 1) * one_s:.2f}"],
         ]
     return _table(["sweep", "wall s (min)"], rows)
 

@@ -250,6 +250,20 @@ class RecordsLauncherState(Callback):
             json.dump(process_state(), f)
 
 
+class BusyOnRank0IdleOnRank1(TorchTP):
+    """Not a defect, a probe of the stage clocks: before the layer, rank 0 computes for 0.3 s
+    of its CPU and rank 1 sleeps 0.3 s."""
+
+    def __call__(self, ctx, tensors):
+        start = time.process_time()
+        if ctx.rank == 0:
+            while time.process_time() - start < 0.3:
+                pass
+        else:
+            time.sleep(0.3)
+        return super().__call__(ctx, tensors)
+
+
 class InterruptOnRank1(TorchTP):
     """Rank 1's implementation raises KeyboardInterrupt itself (no signal was sent)."""
 

@@ -127,10 +127,10 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
             result.update(passed=False, unchecked=True)
         return result
     result.update(
-        status="ok", rank_seconds=r["rank_seconds"], golden_cache_hits=r["golden_cache_hits"],
-        input_cache_hits=r["input_cache_hits"], golden_cache_problems=r["golden_cache_problems"],
-        rank_peak_rss_mib=r["rank_peak_rss_mib"], rank_cpus=r["rank_cpus"], golden_data=spec.golden_data,
-        save_data=spec.save_data,
+        status="ok", rank_seconds=r["rank_seconds"], rank_cpu_seconds=r["rank_cpu_seconds"],
+        golden_cache_hits=r["golden_cache_hits"], input_cache_hits=r["input_cache_hits"],
+        golden_cache_problems=r["golden_cache_problems"], rank_peak_rss_mib=r["rank_peak_rss_mib"],
+        rank_cpus=r["rank_cpus"], golden_data=spec.golden_data, save_data=spec.save_data,
         rank_processes=r.get("rank_processes"),  # how many jobs this job's rank processes have run
     )
     if r.get("bench") is not None:

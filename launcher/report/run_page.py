@@ -249,15 +249,18 @@ def _stage_times(result: dict) -> list[str]:
     secs = result["rank_seconds"]
     stages = [s for s in RANK_STAGES if any(s in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
+    cpu = result.get("rank_cpu_seconds") or []  # absent from a result.json written before it was
     rows = []
     for rank, r in enumerate(secs):
         r = r or {}
         rows.append([rank, *(fmt(r[s]) if s in r else "-" for s in stages), f"{sum(r.values()):.3g}",
+                     f"{sum(cpu[rank].values()):.3g}" if rank < len(cpu) and cpu[rank] else "-",
                      fmt(rss[rank]) if rank < len(rss) else "-"])
-    head = ["rank", *stages, "total", "peak RSS MiB"]
+    head = ["rank", *stages, "total", "CPU s", "peak RSS MiB"]
     return ["<h2>stage times per rank</h2>",
             svg_figure(lambda: svg.stage_times(secs), "stage times per rank",
-                   "seconds each rank spent in each of its stages"),
+                   "seconds each rank spent in each of its stages; CPU s: the CPU time of the rank's "
+                   "process (all its threads) over those stages"),
             table(head, rows, numeric=range(1, len(head)), attrs='id="stage-times"')]
 
 

@@ -114,14 +114,16 @@ def progress_path(output_dir: str, rank: int) -> str:
 
 
 class RankStageTimer:
-    """The stages of this rank's run (`launcher.config.rank_stages`): times each, records its
-    start and end as progress events, fires a configured fault at its start, and tags a failure
-    with the rank and stage it happened in."""
+    """The stages of this rank's run (`launcher.config.rank_stages`): times each (wall, and the
+    CPU of every thread of this process: a stage whose wall far exceeds its CPU waited on a
+    peer, a device or the disk), records its start and end as progress events, fires a
+    configured fault at its start, and tags a failure with the rank and stage it happened in."""
 
     def __init__(self, rank: int, output_dir: str, fault: Fault | None = None):
         self.rank = rank
         self.fault = fault
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         path = progress_path(output_dir, rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._events = open(path, "a", buffering=1)
@@ -132,7 +134,7 @@ class RankStageTimer:
     @contextmanager
     def stage(self, name: str):
         assert name in RANK_STAGES, name
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         log.info("stage %s ...", name)
         self._event(name, "start")
         try:
@@ -143,6 +145,7 @@ class RankStageTimer:
             e.add_note(f"rank {self.rank} failed in stage '{name}' at t={time.time():.6f}")
             raise
         self.seconds[name] = time.perf_counter() - t0
+        self.cpu_seconds[name] = time.process_time() - cpu0
         self._event(name, "done")
         log.info("stage %s done (%.2fs)", name, self.seconds[name])
 
@@ -409,7 +412,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             judged = judging.judge(held, cases, layer.checks, spec.tolerances, layout, spec.integrity)
         del held
     stats = [None] * world if rank == 0 else None
-    dist.gather_object({"seconds": timer.seconds, "golden_cache": cache_status, "inputs_cache": inputs_cache,
+    dist.gather_object({"seconds": timer.seconds, "cpu_seconds": timer.cpu_seconds, "golden_cache": cache_status, "inputs_cache": inputs_cache,
                         "peak_rss_mib": peak_rss_mib(), "cpus": devices.cpu_affinity(), "judged": judged},
                        stats, dst=0)
     comparisons = integrity = None
@@ -443,6 +446,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                     "bisect": located[g] if located is not None else None} for g in range(layout.dp)],
         "bench": bench_figures,
         "rank_seconds": [s["seconds"] for s in stats],
+        "rank_cpu_seconds": [s["cpu_seconds"] for s in stats],
         "golden_cache_hits": [r for r, s in enumerate(stats) if s["golden_cache"] == "hit"],
         "input_cache_hits": [r for r, s in enumerate(stats) if s["inputs_cache"] == "hit"],
         "golden_cache_problems": sorted({s[k] for s in stats for k in ("golden_cache", "inputs_cache")

@@ -266,6 +266,20 @@ def test_a_defective_rank_is_located_end_to_end(tp_run):
         assert run.result["plots"] == []
 
 
+def test_each_rank_stage_has_its_wall_and_its_cpu_time(tp_run):
+    """result.json's `rank_cpu_seconds` is each stage's CPU, not its wall: in the layer stage
+    rank 0 computes for 0.3 s, rank 1 sleeps as long; the report's table shows both."""
+    run = tp_run(layer="swa", tp=2, model="tiny", impl=defects.BusyOnRank0IdleOnRank1)
+    assert run.exit_code == 0, run
+    wall, cpu = run.result["rank_seconds"], run.result["rank_cpu_seconds"]
+    assert [set(c) for c in cpu] == [set(w) for w in wall]
+    assert cpu[0]["layer"] >= 0.3 and wall[0]["layer"] >= 0.3
+    assert wall[1]["layer"] >= 0.3 and cpu[1]["layer"] < 0.15
+    assert all(0 <= c[s] for c in cpu for s in c)
+    page = open(os.path.join(run.output_dir, "report.html")).read()
+    assert "<th>CPU s</th>" in page.split('id="stage-times"')[1].split("</table>")[0]
+
+
 def _bench_script(monkeypatch):
     import importlib.util
 
@@ -325,6 +339,17 @@ def test_bench_counts_the_machines_busy_time_and_the_sweeps_cpu_budget(monkeypat
     cached = bench.report_sweep({**figures, "one_cached_s": 1.9, "warm_cached_s": 3.1, "cached_ratio": 1.63})
     assert "| with a filled golden cache: one run / the sweep | 1.90 / 3.10 |" in cached.splitlines()
     assert "| ratio with a filled golden cache | 1.63 |" in cached.splitlines()
+    assert not any("stage CPU" in row for row in rows)  # a bench.json from before the ranks' CPU
+    stages = bench.report_sweep({**figures, "one_stage_cpu_s": 0.5, "warm_stage_cpu_s": 2.5}).splitlines()
+    assert "| the ranks' CPU in their stages (fixture .. compare), core-s: one run / the sweep | 0.50 / 2.50 |" in stages
+    assert (f"| the sweep's extra jobs' stage CPU over {cores} cores (their wall at best) / the target's room "
+            f"(0.5 x one run), s | {2.0 / cores:.2f} / 1.00 |") in stages
+    cached = bench.report_sweep({**figures, "one_cached_s": 1.9, "warm_cached_s": 3.1, "cached_ratio": 1.63,
+                                 "one_cached_stage_cpu_s": 0.3, "warm_cached_stage_cpu_s": 1.5}).splitlines()
+    assert (f"| the sweep's extra jobs' stage CPU over {cores} cores (their wall at best), filled golden cache / "
+            f"the target's room (0.5 x one run), s | {1.2 / cores:.2f} / 0.95 |") in cached
+    per_rank = {"rank_cpu_seconds": [{"fixture": 0.25, "layer": 0.5}, {"layer": 0.125}]}
+    assert bench._stage_cpu_s(per_rank) == 0.875 and bench._stage_cpu_s({}) is None
 
 
 def test_console_report_of_a_node_without_rank_0():
