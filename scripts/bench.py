@@ -293,6 +293,7 @@ def bench_sweep(tmp: str, repeats: int) -> dict:
             "one_all_s": [r.wall_s for r in one], "warm_all_s": [r.wall_s for r in warm],
             "cold_all_s": [r.wall_s for r in cold], "ratio": best_warm.wall_s / best_one.wall_s, "target": 1.5,
             "cold_ratio": best_cold.wall_s / best_one.wall_s, "phases": best_warm.phases(),
+            "one_phases": best_one.phases(),
             "one_busy_core_s": best_one.busy_core_s, "warm_busy_core_s": best_warm.busy_core_s,
             "one_stage_cpu_s": best_one.stage_cpu_s(), "warm_stage_cpu_s": best_warm.stage_cpu_s,
             "one_cached_stage_cpu_s": best_one_cached.stage_cpu_s(),
@@ -661,6 +662,14 @@ def report_sweep(r: dict) -> str:
             ["sweep: the jobs' ranks' stages (fixture .. compare), summed", f"{ph['stages']:.2f}"],
             ["sweep: between two jobs (a report, the next job's set-up and hand-off), summed", f"{ph['between jobs']:.2f}"],
             ["sweep: exit", f"{ph['exit']:.2f}"],
+        ]
+    one_ph = r.get("one_phases")
+    if ph and one_ph:  # what the launcher adds around the ranks' stages (a bench.json from before has none)
+        sweep_around, one_around = r["warm_s"] - ph["stages"], r["one_s"] - one_ph["stages"]
+        rows += [
+            ["the launcher's time around the ranks' stages, s: one run / the sweep (wall less the stages)",
+             f"{one_around:.2f} / {sweep_around:.2f}"],
+            ["ratio of the two", f"{sweep_around / one_around:.2f}"],
         ]
     one_cpu, sweep_cpu = r.get("one_busy_core_s"), r.get("warm_busy_core_s")
     if one_cpu is not None and sweep_cpu is not None:  # no /proc/stat, or a bench.json from before

@@ -348,6 +348,12 @@ def test_bench_counts_the_machines_busy_time_and_the_sweeps_cpu_budget(monkeypat
                                  "one_cached_stage_cpu_s": 0.3, "warm_cached_stage_cpu_s": 1.5}).splitlines()
     assert (f"| the sweep's extra jobs' stage CPU over {cores} cores (their wall at best), filled golden cache / "
             f"the target's room (0.5 x one run), s | {1.2 / cores:.2f} / 0.95 |") in cached
+    assert not any("around the ranks' stages" in row for row in rows)  # no phases given
+    phases = {"start-up": 1.5, "stages": 1.0, "between jobs": 0.75, "exit": 0.25}
+    around = bench.report_sweep({**figures, "phases": phases, "one_phases": {**phases, "stages": 0.5}}).splitlines()
+    assert ("| the launcher's time around the ranks' stages, s: one run / the sweep (wall less the stages) "
+            "| 1.50 / 2.50 |") in around
+    assert "| ratio of the two | 1.67 |" in around
     per_rank = {"rank_cpu_seconds": [{"fixture": 0.25, "layer": 0.5}, {"layer": 0.125}]}
     assert bench._stage_cpu_s(per_rank) == 0.875 and bench._stage_cpu_s({}) is None
 
