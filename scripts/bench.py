@@ -74,7 +74,9 @@ class Run:
     peak_rss: dict[int, int] = field(default_factory=dict)  # local rank -> VmHWM bytes
     busy_core_s: float | None = None  # the machine's busy CPU time while it ran
 
+    @property
     def stage_cpu_s(self) -> float | None:
+        """Every rank's CPU in its stages, summed."""
         return _stage_cpu_s(self.result)
 
     def stage_walls(self) -> dict[str, float]:
@@ -295,8 +297,8 @@ def bench_sweep(tmp: str, repeats: int) -> dict:
             "cold_ratio": best_cold.wall_s / best_one.wall_s, "phases": best_warm.phases(),
             "one_phases": best_one.phases(),
             "one_busy_core_s": best_one.busy_core_s, "warm_busy_core_s": best_warm.busy_core_s,
-            "one_stage_cpu_s": best_one.stage_cpu_s(), "warm_stage_cpu_s": best_warm.stage_cpu_s,
-            "one_cached_stage_cpu_s": best_one_cached.stage_cpu_s(),
+            "one_stage_cpu_s": best_one.stage_cpu_s, "warm_stage_cpu_s": best_warm.stage_cpu_s,
+            "one_cached_stage_cpu_s": best_one_cached.stage_cpu_s,
             "warm_cached_stage_cpu_s": best_warm_cached.stage_cpu_s,
             "one_cached_s": best_one_cached.wall_s, "warm_cached_s": best_warm_cached.wall_s,
             "cached_ratio": best_warm_cached.wall_s / best_one_cached.wall_s}

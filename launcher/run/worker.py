@@ -412,8 +412,9 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             judged = judging.judge(held, cases, layer.checks, spec.tolerances, layout, spec.integrity)
         del held
     stats = [None] * world if rank == 0 else None
-    dist.gather_object({"seconds": timer.seconds, "cpu_seconds": timer.cpu_seconds, "golden_cache": cache_status, "inputs_cache": inputs_cache,
-                        "peak_rss_mib": peak_rss_mib(), "cpus": devices.cpu_affinity(), "judged": judged},
+    dist.gather_object({"seconds": timer.seconds, "cpu_seconds": timer.cpu_seconds, "golden_cache": cache_status,
+                        "inputs_cache": inputs_cache, "peak_rss_mib": peak_rss_mib(), "cpus": devices.cpu_affinity(),
+                        "judged": judged},
                        stats, dst=0)
     comparisons = integrity = None
     if rank == 0 and spec.golden:  # by group: {reference: verdicts}, {reference: checks}
