@@ -106,6 +106,14 @@ def golden_is_computed(spec: RunSpec, layer, case, rank: int) -> bool:
     return not golden_cache.exists(spec.golden_cache, golden_cache.identity(case, rank, spec.threads()))
 
 
+def _stored_golden(spec: RunSpec, ident: dict, outputs: dict[str, torch.Tensor]) -> str | None:
+    """Store a computed golden; None, or why the cache could not be written (the run goes on)."""
+    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
+    if problem:
+        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
+    return f"not written: {problem}" if problem else None
+
+
 def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], str | None]:
     """`(golden, cache status)` of `case` on group rank `rank`: from the on-disk cache when a
     whole entry of its identity is there (status "hit"), else computed and stored (None, or why
@@ -126,10 +134,7 @@ def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -
     if hit is not None:
         return hit, "hit"
     outputs = golden_outputs(layer, case, inputs, full_o_weights())
-    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
-    if problem:
-        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
-    return outputs, f"not written: {problem}" if problem else None
+    return outputs, _stored_golden(spec, ident, outputs)
 
 
 def cached_group_golden(spec: RunSpec, layer, ctx: RankContext, inputs) -> tuple[dict[str, torch.Tensor], str | None]:
@@ -153,7 +158,4 @@ def cached_group_golden(spec: RunSpec, layer, ctx: RankContext, inputs) -> tuple
     if every_hit.item():
         return hit, "hit"
     outputs = computed()
-    problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
-    if problem:
-        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
-    return outputs, f"not written: {problem}" if problem else None
+    return outputs, _stored_golden(spec, ident, outputs)
