@@ -46,6 +46,7 @@ from launcher.report.run_page import write_result_and_page
 from launcher.run import devices, rank_group, slots
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
+from launcher.store import cache_dir
 
 
 # Written to the run's launcher.log only (Hydra's job logging; the console shows warnings).
@@ -107,6 +108,9 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
     log.info("report:\n%s", report)
     log.info("exit status %d", exit_code(result))
     print(report)
+    cache_usage = cache_dir.usage_line(spec.golden_cache, spec.golden_cache_max_bytes) if job is None else None
+    if cache_usage:
+        print(cache_usage)
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
     return exit_code(result)

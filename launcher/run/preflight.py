@@ -3,8 +3,9 @@
 `launcher.config.spec.validated_spec` reads the config into a validated RunSpec (every value, the
 case, the layer's rules; with a replayed snapshot, the case it holds; the tolerances). This adds
 what only the machine can tell, or the comparators: that the snapshot's files fit the case (and
-its manifest's sha256), that a snapshot to save has a place to go, that every comparator takes
-its tolerances, that the backend has a device for every rank of this node (of its job slot, in
+its manifest's sha256), that a snapshot to save has a place to go, that the golden cache's
+folder is the harness's (`launcher.store.cache_dir.claim`), that every comparator takes its
+tolerances, that the backend has a device for every rank of this node (of its job slot, in
 a sweep whose jobs run side by side), that node 0's rendezvous port is free, and that the
 implementation can be imported. `python -m launcher` and `launcher.torchrun` both start here;
 every refusal is a ConfigError naming the key, the value and the rule.
@@ -12,6 +13,7 @@ every refusal is a ConfigError naming the key, the value and the rule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -25,7 +27,7 @@ from layers.contract.config import ConfigError
 from launcher.config.job_slot import JobSlot
 from launcher.config.spec import RunSpec, validated_spec
 from launcher.run import devices
-from launcher.store import snapshot, snapshot_case
+from launcher.store import cache_dir, snapshot, snapshot_case
 from launcher.verify.build import build_comparator
 
 
@@ -38,6 +40,9 @@ def preflight(cfg: DictConfig, output_dir: str, overrides: Sequence[str] | None 
     spec = dataclasses.replace(spec, slot=slot)
     if spec.golden_data:
         snapshot.check(spec.golden_data, spec.layer.tensor_specs(spec.case), spec.case.group_size)
+    if spec.golden_cache:
+        with contextlib.suppress(OSError):  # unwritable: each rank's store says so, and the run goes on
+            cache_dir.claim(spec.golden_cache)  # a folder that is not the harness's is refused
     if spec.save_data and spec.node_rank == 0:  # rank 0, on node 0, writes it
         snapshot.check_save_target(spec.save_data, spec.save_overwrite, spec.golden_data)
     for check in spec.layer.checks(spec.case):  # a tolerance a comparator refuses, before launch

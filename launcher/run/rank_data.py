@@ -73,8 +73,8 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
                 for ident, names in to_store]
     problem = next((p for p in problems if p), None)
     if problem:
-        log.warning("golden cache %s: inputs not written: %s", spec.golden_cache, problem)
-    status = f"inputs not written: {problem}" if problem else None
+        log.info("golden cache %s: inputs not written: %s", spec.golden_cache, problem)
+    status = f"not written: {problem}" if problem else None
     return RankInputs(tensors, {n: digests[n] for n in digested}, wo_full, status)
 
 
@@ -107,10 +107,12 @@ def golden_is_computed(spec: RunSpec, layer, case, rank: int) -> bool:
 
 
 def _stored_golden(spec: RunSpec, ident: dict, outputs: dict[str, torch.Tensor]) -> str | None:
-    """Store a computed golden; None, or why the cache could not be written (the run goes on)."""
+    """Store a computed golden; None, or why the cache could not be written (the run goes on).
+    The rank's log says which entry; the report warns once per cause (`rank_inputs` words its
+    status the same)."""
     problem = golden_cache.store(spec.golden_cache, ident, outputs, spec.golden_cache_max_bytes)
     if problem:
-        log.warning("golden cache %s not written: %s", spec.golden_cache, problem)
+        log.info("golden cache %s: golden not written: %s", spec.golden_cache, problem)
     return f"not written: {problem}" if problem else None
 
 

@@ -14,12 +14,14 @@ An entry is trusted only when it is whole: its identity matches, it holds exactl
 tensors with the layer's shapes and dtypes, and each tensor's bytes match the sha256 stored
 beside it. Anything else (a load error, a missing or extra name, a wrong shape, flipped bytes,
 a hand-edited tensor) is a miss: the tensors are computed again and the entry overwritten. A
-cache that cannot be written never fails a run: `store` returns why, and the run goes on with
-the tensors it computed.
+cache that cannot be written (read-only, a full disk, a folder that is not the harness's) never
+fails a run: `store` returns why, leaves no temp file, and the run goes on with the tensors it
+computed.
 
-The cache is bounded: `store` evicts the least recently used entries (an entry is used when
-written or read: both set its mtime) until the folder's entries fit the size cap. Deleting the
-folder, or any entry of it, at any time is safe: a missing entry is a miss.
+The folder, the entries' names and what eviction may delete are `launcher.store.cache_dir`'s:
+`store` evicts whole cases, least recently used first (an entry is used when written or read:
+both set its mtime), until the folder's entries fit the size cap. Deleting the folder, or any
+entry of it, at any time is safe: a missing entry is a miss.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import contextlib
 import hashlib
 import json
 import os
-import stat
 import time
 from collections.abc import Mapping
 from functools import lru_cache
@@ -40,6 +41,8 @@ import torch
 import layers
 from layers.contract.tensors import TensorSpec, tensor_sha256
 from layers.contract.case import Case
+
+from launcher.store import cache_dir
 
 
 class Entry(NamedTuple):
@@ -86,11 +89,7 @@ def inputs_identity(case: Case, rank: int | None, threads: int) -> dict:
 
 
 def _entry(root: str, ident: dict) -> Path:
-    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
-    size = f"tp{ident['tp']}" if "tp" in ident else f"ep{ident.get('ep')}"
-    who = f"r{ident['rank']}" if isinstance(ident["rank"], int) else ident["rank"]
-    kind = f"-{ident['tensors']}" if "tensors" in ident else ""
-    return Path(root) / f"{ident['layer']}-{size}-{who}{kind}-{key}.pt"
+    return Path(root) / cache_dir.entry_name(ident)
 
 
 def exists(root: str, ident: dict) -> bool:
@@ -103,35 +102,6 @@ def _mark_used(path: Path) -> None:
     from the clock, not the file system's coarse write time, so the order of uses is kept."""
     now = time.time_ns()
     os.utime(path, ns=(now, now))
-
-
-def entries(root: str) -> list[tuple[Path, int]]:
-    """The folder's entries, least recently used first, with their sizes (temp files of
-    writers in progress and anything not a regular file are not entries; one that vanishes
-    while listed is skipped)."""
-    found = []
-    for path in Path(root).glob("*.pt"):
-        with contextlib.suppress(OSError):
-            st = path.stat()
-            if stat.S_ISREG(st.st_mode):
-                found.append((st.st_mtime_ns, path.name, path, st.st_size))
-    return [(path, size) for _, _, path, size in sorted(found)]
-
-
-def evict(root: str, max_bytes: int) -> list[Path]:
-    """Delete the least recently used entries until the rest fit in `max_bytes`; the deleted
-    paths. Another process may be evicting too: an entry already gone is not an error."""
-    listed = entries(root)
-    total = sum(size for _, size in listed)
-    removed = []
-    for path, size in listed:
-        if total <= max_bytes:
-            break
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path)
-        total -= size
-    return removed
 
 
 def _whole(entry, ident: dict, specs: Mapping[str, TensorSpec]) -> Entry | None:
@@ -191,15 +161,25 @@ def store(root: str, ident: dict, tensors: Mapping[str, torch.Tensor], max_bytes
         "sha256": dict(sha256) if sha256 is not None else {name: tensor_sha256(t) for name, t in tensors.items()},
     }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        cache_dir.claim(root)
         torch.save(entry, tmp)
         os.replace(tmp, path)
         _mark_used(path)
         size = path.stat().st_size
-        if max_bytes is not None and path in evict(root, max_bytes):
+        if max_bytes is not None and path in cache_dir.evict(root, max_bytes):
             return f"evicted at once to keep the cap: the entry is {size} bytes, the cap {max_bytes} bytes"
-    except OSError as e:
+    except Exception as e:  # OSError, torch.save's RuntimeError on a full disk, a refused folder
         with contextlib.suppress(OSError):  # no temp file may stay behind
             tmp.unlink()
-        return f"{type(e).__name__}: {e.strerror or e}"
+        return _why_not_written(e)
     return None
+
+
+def _why_not_written(e: Exception) -> str:
+    """The same words on every rank for the same cause (one warning per run, not one per rank):
+    no file names, no byte offsets."""
+    if isinstance(e, OSError):
+        return f"{type(e).__name__}: {e.strerror or e}"
+    if isinstance(e, RuntimeError):  # torch.save's own writer reports a failed write so
+        return "torch.save failed (a full disk?)"
+    return " ".join(f"{type(e).__name__}: {e}".split())
