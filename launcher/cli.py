@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import hydra
@@ -65,9 +66,23 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides
         return _execute(cfg, output_dir, t0, job, overrides, slot)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
         result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
-        write_result_and_page(output_dir, result, job)
+        unwritten = _unwritten(output_dir, result, job)
         print(console.render(result))
+        if unwritten:
+            print(unwritten, file=sys.stderr)
         return EXIT_ERROR
+
+
+def _unwritten(output_dir: str, result: dict, job: dict | None) -> str | None:
+    """Write the run's result.json and page; None, or the error line to print when the output
+    folder cannot take them (a full disk, a read-only mount): the run is then an error, its
+    report on the console its only record."""
+    try:
+        write_result_and_page(output_dir, result, job)
+    except OSError as e:
+        return (f"error: output folder {output_dir}: {os.path.basename(e.filename or 'result.json')} cannot be "
+                f"written ({e.strerror or e}); the report above is this run's only record")
+    return None
 
 
 def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None,
@@ -82,8 +97,10 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
         message = " ".join(str(e).split())
         log.info("refused: %s", message)
         print(f"error: {message}", file=sys.stderr)
-        write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", message,
-                                                       wall_s=time.perf_counter() - t0, stage="config"), job)
+        unwritten = _unwritten(output_dir, not_launched(config_case(cfg), "config-error", message,
+                                                        wall_s=time.perf_counter() - t0, stage="config"), job)
+        if unwritten:
+            print(unwritten, file=sys.stderr)
         return EXIT_ERROR
     # The ranks append to their progress files: a folder reused from an earlier run starts empty.
     shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
@@ -103,22 +120,26 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
                           wall_s=time.perf_counter() - t0)
     if spec.report_plots:
         result["plots"] = plots.write_plots(result, output_dir)
-    write_result_and_page(output_dir, result, job)
+    unwritten = _unwritten(output_dir, result, job)
     report = console.render(result)
     log.info("report:\n%s", report)
-    log.info("exit status %d", exit_code(result))
+    status = EXIT_ERROR if unwritten else exit_code(result)
+    log.info("exit status %d", status)
     print(report)
     cache_usage = cache_dir.usage_line(spec.golden_cache, spec.golden_cache_max_bytes) if job is None else None
     if cache_usage:
         print(cache_usage)
+    if unwritten:
+        print(unwritten, file=sys.stderr)
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
-    return exit_code(result)
+    return status
 
 
 class OutputFolder(Callback):
     """Creates the run's (or the sweep's) output folder before Hydra does: one that cannot be
-    created is refused with one line and exit status 2, not a traceback from Hydra's mkdir."""
+    created or written, or whose disk is (nearly) full, is refused with one line and exit status
+    2, not a traceback from Hydra's mkdir or its config copies."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         _create_output_folder(config, "hydra.run.dir")
@@ -127,17 +148,33 @@ class OutputFolder(Callback):
         _create_output_folder(config, "hydra.sweep.dir")
 
 
+# Free space an output folder needs: Hydra's copies of the config, launcher.log, every rank's
+# logs, result.json and report.html (a tiny run: about 50 kB; a failing flash run's logs and
+# page more).
+MIN_FREE_BYTES = 1 << 20
+
+
 def _create_output_folder(config: DictConfig, key: str) -> None:
     progress.composition_done()  # the error line goes to the terminal
+    folder = key
     try:
-        os.makedirs(str(OmegaConf.select(config, key)), exist_ok=True)  # claims a ${fresh_dir:...} folder
-        return
+        folder = str(OmegaConf.select(config, key))  # claims a ${fresh_dir:...} folder
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder) as probe:  # a read-only mount, a full disk
+            probe.write(bytes(4096))
+            probe.flush()
+            os.fsync(probe.fileno())
+        free = shutil.disk_usage(folder).free
+        if free >= MIN_FREE_BYTES:
+            return
+        why = (f"{key}: {folder} has {free} bytes free on its disk, under the {MIN_FREE_BYTES} a run writes; "
+               f"free some space or choose another folder")
     except (OSError, OmegaConfBaseException) as e:
         cause = e
         while cause is not None and not isinstance(cause, (OSError, ConfigError)):
             cause = cause.__cause__ or cause.__context__
         if isinstance(cause, OSError):
-            why = f"{key}: {cause.filename} cannot be created ({cause.strerror}); choose a writable folder"
+            why = f"{key}: {cause.filename or folder} cannot be written ({cause.strerror}); choose a writable folder"
         else:
             why = " ".join(str(cause or e).split())
     print(f"error: {why}", file=sys.stderr)

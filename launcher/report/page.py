@@ -12,6 +12,7 @@ note in its place and the rest of the page stands.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import os
 import sys
@@ -173,5 +174,7 @@ def write(path: str, text: str) -> str | None:
         os.replace(tmp, path)
         return path
     except OSError as e:
+        with contextlib.suppress(OSError):  # a full disk: no half-written temp file stays behind
+            os.unlink(tmp)
         print(f"warning: {path} not written: {e}", file=sys.stderr)
         return None

@@ -25,6 +25,7 @@ through `launcher.report.run_page.write_result_and_page`, which adds the run's r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -91,9 +92,14 @@ def write_result(output_dir: str, result: dict, job: dict | None = None) -> dict
         result["job"] = job
     path = os.path.join(output_dir, "result.json")
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no half-written temp file stays behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return result
 
 
