@@ -59,7 +59,8 @@ def entry_name(ident: dict) -> str:
 
 
 def _ours(name: str) -> bool:
-    return bool(ENTRY.fullmatch(name) or TEMP.fullmatch(name) or LEGACY.fullmatch(name))
+    # The marker too: another process may claim the folder between our look and our listing.
+    return name == MARKER or bool(ENTRY.fullmatch(name) or TEMP.fullmatch(name) or LEGACY.fullmatch(name))
 
 
 def is_marked(root: str) -> bool:
@@ -83,7 +84,7 @@ def claim(root: str) -> None:
     marked. ConfigError for a folder that is not the harness's to fill (see the module's
     docstring); OSError when it cannot be created or marked (the caller warns and goes on)."""
     path = Path(root)
-    if (path / MARKER).is_file():
+    if is_marked(root):
         return
     why = _protected(path.resolve())
     if why is None and path.is_dir():

@@ -67,6 +67,12 @@ def test_a_new_folder_is_marked_and_an_earlier_versions_entries_are_adopted(tmp_
     assert [f.path.name for f in cache_dir.listing(str(old)).entries] == [cache_dir.entry_name(IDENT)]
 
 
+def test_a_folder_another_process_claims_at_the_same_time_is_not_refused(tmp_path, monkeypatch):
+    assert golden_cache.store(str(tmp_path), IDENT, {"x_out": torch.zeros(2)}) is None  # the other process
+    monkeypatch.setattr(cache_dir, "is_marked", lambda root: False)  # our look came just before its marker
+    cache_dir.claim(str(tmp_path))
+
+
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
                                      RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3968")])
 def test_a_failing_write_returns_why_and_leaves_no_temp_file(tmp_path, monkeypatch, failure):
