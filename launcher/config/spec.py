@@ -372,6 +372,12 @@ def _path(value: Optional[str]) -> Optional[str]:
     return os.path.abspath(os.path.expanduser(str(value))) if value else None
 
 
+def golden_cache_of(cfg: DictConfig) -> tuple[Optional[str], Optional[int]]:
+    """The golden cache folder and its cap in bytes, read as `run_spec` reads them (for a
+    sweep's end, which has no RunSpec)."""
+    return _path(cfg.golden_cache), _cache_cap(cfg.golden_cache_max_gb)
+
+
 def _cache_cap(gb: Optional[float]) -> Optional[int]:
     """golden_cache_max_gb in bytes (GB = 10^9 bytes, as `du --si` shows it)."""
     if gb is None:

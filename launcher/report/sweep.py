@@ -22,6 +22,7 @@ earlier job (`launcher.run.rank_group`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,9 +36,13 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
+from layers.contract.config import ConfigError
+
 from launcher.config.slurm import node_output_dir
+from launcher.config.spec import golden_cache_of
 from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
 from launcher.report.console import case_columns, comparator_text, fmt, starts_text, table_lines
@@ -53,6 +58,7 @@ from launcher.report.result import (
     verdict_pair,
 )
 from launcher.report.sweep_page import write_sweep_page
+from launcher.store import cache_dir
 
 SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP", "unchecked": "UNCHECKED"}
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
@@ -407,3 +413,7 @@ class SweepSummary(Callback):
         SweepSummary.exit_status = write_summary(str(config.hydra.sweep.dir))
         SweepSummary.unfinished_sweep = None
         progress.SWEEP = None
+        with contextlib.suppress(ConfigError, OmegaConfBaseException):  # a cap every job refused already
+            cache_usage = cache_dir.usage_line(*golden_cache_of(config))  # once a sweep, not once a job
+            if cache_usage:
+                print(cache_usage)

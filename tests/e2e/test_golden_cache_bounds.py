@@ -20,6 +20,7 @@ from launcher.config.spec import run_spec
 from launcher.store import cache_dir, golden_cache
 from layers.contract.config import ConfigError
 from layers.contract.tensors import Kind, TensorSpec
+from tests.conftest import multirun
 
 SPECS = {"x_out": TensorSpec((64, 64), torch.float32, Kind.OUTPUT)}
 
@@ -130,6 +131,21 @@ def test_the_end_of_a_run_says_the_caches_size_once_past_half_its_cap(tp_run, tm
     line = next(ln for ln in full.output.splitlines() if ln.startswith("golden cache:"))
     assert f"{cache_dir.gb(size)} of its {cache_dir.gb(int(1.5 * size))} cap in {cache}" in line
     assert "python -m launcher.cache clear --yes" in line
+
+
+def test_a_sweep_says_the_caches_size_once_at_its_end(tmp_path):
+    cache = tmp_path / "cache"
+    jobs = ["layer=swa", "tp=1", "model=tiny", "seed=1,2", f"golden_cache={cache}"]
+    (tmp_path / "first").mkdir()
+    first, summary, _ = multirun(tmp_path / "first", *jobs)
+    assert summary["passed"] == 2, first.stdout + first.stderr
+    size = sum(s for _, s in _entries(cache))
+    (tmp_path / "again").mkdir()
+    again, summary, _ = multirun(tmp_path / "again", *jobs, f"golden_cache_max_gb={1.5 * size / 1e9}")
+    assert summary["passed"] == 2, again.stdout + again.stderr
+    lines = [ln for ln in again.stdout.splitlines() if ln.startswith("golden cache:")]
+    assert len(lines) == 1 and f"{cache_dir.gb(size)} of its" in lines[0], again.stdout
+    assert again.stdout.rstrip().endswith(lines[0])  # after the sweep's table and summary line
 
 
 def _compose(*overrides: str):
