@@ -79,3 +79,14 @@ def test_a_sweep_job_after_a_patching_one_is_not_poisoned(tmp_path):
     assert correct["passed"] and not correct["rank_processes"]["warm"], correct
     assert correct["golden_cache_hits"] == [0, 1], correct
 
+
+def test_a_patch_made_after_a_jobs_checks_ends_its_warm_ranks(tmp_path):
+    # The first job's implementation patches when the harness drops it, after every check of its
+    # job (its verdict stands); its ranks must not serve the next job.
+    cache = tmp_path / "cache"
+    p, _, _ = multirun(tmp_path, *SWA_ARGS, f"golden_cache={cache}",
+                       "impl._target_=tests.defects.PatchesNormWhenDropped,layers.tp.TorchTP")
+    assert p.returncode == 0, p.stdout + p.stderr
+    first, second = _jobs(tmp_path, 2)
+    assert first["passed"] and second["passed"], (first, second)
+    assert second["rank_processes"] == {"jobs_run": 1, "warm": False}, second
