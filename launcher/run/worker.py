@@ -339,8 +339,9 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
     pure = layer.names_of(case, Kind.INPUT)
     with timer.stage("fixture"):
-        check_harness_untouched(rank, "before this job's golden (left by an implementation an earlier job ran on this "
-                                      "warm rank, or imported where this rank's process was started)")
+        check_harness_untouched(rank, "before this job's golden (by an implementation imported before it: an "
+                                      "earlier job's on this warm rank, or this one's by the preflight of this "
+                                      "process or of the one it was forked from)")
         wo_full, inputs_cache = None, None
         if spec.golden_data:
             inputs = snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs)

@@ -10,10 +10,13 @@ defect and FAIL every correct run that reads it from the cache.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import multirun, run_cli
+from tests.conftest import REPO, multirun, run_cli
 
 from .. import defects
 
@@ -50,6 +53,23 @@ def test_an_impl_that_patches_on_import_is_refused_and_leaves_the_cache_correct(
     q = run_cli([*SWA_ARGS, f"golden_cache={cache}"], correct)
     assert q.returncode == 0, q.stdout + q.stderr
     assert _result(correct)["golden_cache_hits"] == ([0, 1] if stage == "layer" else [])
+
+
+def test_under_torchrun_a_patch_on_import_is_refused_before_any_golden(tmp_path):
+    # The worker's preflight imports the implementation in the rank's own process.
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    p = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun-logs"),
+         "-m", "launcher.torchrun", *SWA_ARGS, f"golden_cache={cache}", f"impl._target_={ON_IMPORT}"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO), DSV4_OUTPUT_DIR=str(out)),
+        capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0, p.stdout + p.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "error" and result["error"]["stage"] == "fixture", result
+    assert "changed before this job's golden" in result["error"]["message"], result
+    assert PATCH in result["error"]["message"], result
+    assert _golden_entries(cache) == []
 
 
 @pytest.mark.parametrize("impl, when", [
