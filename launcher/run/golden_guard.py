@@ -57,11 +57,6 @@ def _function(value):
     return value if issubclass(type(value), types.FunctionType) else None
 
 
-def _code(value):
-    function = _function(value)
-    return function.__code__ if function is not None else None
-
-
 def _watched(value) -> bool:
     # `type()`, not `isinstance`: that reads `__class__`, which some of torch's objects warn on
     return callable(value) or issubclass(type(value), (staticmethod, classmethod, property))
@@ -101,10 +96,17 @@ def _take() -> dict:
     return {
         "modules": {name: module for name, module in sys.modules.items() if _is_harness(name)},
         "spaces": spaces,
-        "entries": {(label, key): (value, _code(value))
-                    for label, (space, _) in spaces.items() for key, value in list(space.items()) if _watched(value)},
+        # Every value, watched or not, so that the check passes over what is unchanged by identity alone.
+        "entries": {label: {key: _noted(value) for key, value in list(space.items())}
+                    for label, (space, _) in spaces.items()},
         "modes": _modes(),
     }
+
+
+def _noted(value) -> tuple:
+    """`(value, its Python function or None, that function's code)`."""
+    function = _function(value)
+    return value, function, function.__code__ if function is not None else None
 
 
 def _modes() -> tuple[int, int]:
@@ -146,12 +148,13 @@ def changes() -> list[str]:
     entries, spaces = _RECORD["entries"], _RECORD["spaces"]
     recoded = set()  # a function whose code was swapped is named once, not in every module that imports it
     for label, (space, counts) in spaces.items():
+        noted = entries[label]
         for key, value in list(space.items()):
-            before = entries.get((label, key))
+            before = noted.get(key)
             if before is not None and before[0] is value:
-                if before[1] is not _code(value) and id(value) not in recoded:
-                    recoded.add(id(value))
-                    function = _function(value)
+                function = before[1]
+                if function is not None and function.__code__ is not before[2] and id(function) not in recoded:
+                    recoded.add(id(function))
                     found.append(f"{function.__module__}.{function.__qualname__} had its code replaced by that of "
                                  f"{function.__code__.co_qualname} in {function.__code__.co_filename}")
                 continue
@@ -161,7 +164,8 @@ def changes() -> list[str]:
                 found.append(f"{label}.{key} was replaced by {_name_of(value)}")
             elif counts != _NONE:
                 found.append(f"{label}.{key} was added: {_name_of(value)}")
-    found += [f"{label}.{key} was deleted" for label, key in entries if key not in spaces[label][0]]
+    found += [f"{label}.{key} was deleted" for label, noted in entries.items()
+              for key in noted.keys() - spaces[label][0].keys() if _watched(noted[key][0])]
     if _modes() != _RECORD["modes"]:
         found.append(f"a torch function or dispatch mode was left active (mode stack depths {_RECORD['modes']} "
                      f"before, {_modes()} now)")
