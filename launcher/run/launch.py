@@ -34,6 +34,7 @@ from launcher.run import devices, forkserver, rank_group, watchdog
 from launcher.run.worker import progress_path, rank_main
 
 log = logging.getLogger("launcher.run.launch")
+
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause: gloo's
 # and NCCL's wording, and HCCL's ("... times out", its timeout error code and the CANN error

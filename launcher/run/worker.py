@@ -9,9 +9,8 @@ same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order
 The golden of a rank's shard (the single-device layer on that rank's tensors with the full O
 weights, spec validation.md §5.3) is computed on that rank, in parallel with the others, from
 clones taken before the implementation is even imported (in the layer stage), with the same
-thread count: the per-rank front of
-the layer is then bit-identical between golden and implementation, and only the output half
-differs by fp32 summation order. Each of the layer's checks is judged whole on a rank of its
+thread count: the per-rank front of the layer is then bit-identical between golden and
+implementation, and only the output half differs by fp32 summation order. Each of the layer's checks is judged whole on a rank of its
 own (`launcher.run.judging`: every rank sends its shards of the check's tensors there), and
 rank 0 collects the verdicts.
 A rank's inputs and golden are read from the golden cache when its entries are whole
