@@ -33,6 +33,8 @@ from launcher.config.spec import RunSpec
 from launcher.run import devices, forkserver, rank_group, watchdog
 from launcher.run.worker import progress_path, rank_main
 
+log = logging.getLogger("launcher.run.launch")
+
 _STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause: gloo's
 # and NCCL's wording, and HCCL's ("... times out", its timeout error code and the CANN error
@@ -299,7 +301,10 @@ def _launch_here(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
     result = _comparing_rank_result(results.values())
     # A job slot's devices go to another job process next: its ranks may not keep them.
     shares_devices = spec.slot is not None and rank_group.holds_devices(spec)
-    if spec.warm_ranks and result.get("passed") is not False and not shares_devices:
+    if group.harness_changed:  # by the implementation after its job's last check: this verdict stands
+        log.warning("rank processes ended after this job: %s", "; ".join(
+            f"rank {r}: {', '.join(c)}" for r, c in sorted(group.harness_changed.items())))
+    if spec.warm_ranks and result.get("passed") is not False and not shares_devices and not group.harness_changed:
         rank_group.POOL.keep(group)
     else:
         group.close()

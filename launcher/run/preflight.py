@@ -26,7 +26,7 @@ from layers.contract.config import ConfigError
 
 from launcher.config.job_slot import JobSlot
 from launcher.config.spec import RunSpec, validated_spec
-from launcher.run import devices
+from launcher.run import devices, golden_guard
 from launcher.store import cache_dir, snapshot, snapshot_case
 from launcher.verify.build import build_comparator
 
@@ -58,6 +58,11 @@ def preflight(cfg: DictConfig, output_dir: str, overrides: Sequence[str] | None 
         devices.check_port_free(spec.master_addr, spec.master_port)
     elif spec.nnodes > 1:
         devices.wait_for_node0(spec.master_addr, spec.master_port, spec.timeout_s)
+    # Before the implementation is first imported here, where a rank keeps this process's note:
+    # one forked from it (start_method=fork), or this process itself (an external launcher's
+    # rank). The forkserver's ranks have their own.
+    if spec.start_method == "fork" or "RANK" in os.environ:
+        golden_guard.record()
     return dataclasses.replace(spec, impl=implementation(spec.impl))
 
 

@@ -5,8 +5,9 @@ starts one process per rank (`launcher.run.rank_server.serve`, from the forkserv
 each the job. A sweep's jobs of the same world size, threads, backend, timeout and job slot
 (`group_key`) then run on the same warm processes: no fork, no process-group set-up, no
 teardown, no re-imports between jobs. A group is kept only after a job in which every rank
-finished and the run did not fail (`launch.launch` decides); any other job's group is stopped
-and the next job starts fresh processes.
+finished and the run did not fail (`launch.launch` decides), and in which nothing replaced a
+function the golden runs (`harness_changed`, told by each rank after its job); any other job's
+group is stopped and the next job starts fresh processes.
 
 Each job writes what a fresh process would: per-rank logs in
 `<output_dir>/logs/<run_id>/attempt_0/<rank>/`, rank 0's teed to the console with the elastic
@@ -76,6 +77,8 @@ class RankGroup:
         self.key = group_key(spec)
         self.world = spec.world
         self.jobs_run = 0
+        # What a job left replaced of the functions the golden runs, by rank: such ranks serve no later job.
+        self.harness_changed: dict[int, list[str]] = {}
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
         context = multiprocessing.get_context(spec.start_method)
@@ -129,9 +132,11 @@ class RankGroup:
                     rank = waiting[item]
                     del waiting[item]
                     try:
-                        results[rank] = item.recv()
+                        results[rank], changed = item.recv()
                     except (EOFError, OSError):  # it died: its sentinel says how
                         continue
+                    if changed:
+                        self.harness_changed[rank] = changed
                     del sentinels[self.procs[rank].sentinel]  # done with this job, whatever it does next
                     if on_rank_done is not None:
                         on_rank_done(rank)

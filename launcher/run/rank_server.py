@@ -5,6 +5,9 @@ its pipe exactly as a rank of a fresh process would (`worker.begin_job`, `worker
 its stdout and stderr go to the job's own log folder, a failure is written to the job's
 `error.json` in the elastic agent's format, and a job that raises ends the process, so that
 its peers' collectives break at once, as a fresh rank's would, and the launcher sees it die.
+With each result goes what the job left replaced of the functions the golden runs
+(`golden_guard.changes()`: a patch the job's own checks could not see, made by something of
+the implementation that ran after them), so that the launcher ends the group.
 
 Between jobs the process-wide state an implementation can change through documented APIs is
 put back as it was before the first job ran (`ProcessState`): the environment, the working
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from launcher.run import devices, lifeline, worker
+from launcher.run import devices, golden_guard, lifeline, worker
 
 # The elastic agent's variable naming a rank's error file, which `ErrorHandler` writes.
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -100,6 +103,7 @@ def serve(local_rank: int, env: dict[str, str], conn) -> None:
     """The process's life: jobs `(spec, log_dir)` from `conn` until None (exit) or until the
     launcher is gone; each job's result goes back over `conn`."""
     lifeline.die_with_parent()
+    golden_guard.record()  # a spawned rank's own; a forked one inherited its parent's
     os.environ.update(env)
     device, baseline = None, None
     while True:
@@ -132,7 +136,7 @@ def serve(local_rank: int, env: dict[str, str], conn) -> None:
             os._exit(1)
         sys.stdout.flush()
         sys.stderr.flush()
-        conn.send(result)
+        conn.send((result, golden_guard.changes()))
         del result
         worker.release_freed_memory()  # an idle rank holds what it keeps, not what it freed
     # Every rank of the group is told at once, idle, its last job's logs flushed and result

@@ -8,14 +8,16 @@ same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order
 
 The golden of a rank's shard (the single-device layer on that rank's tensors with the full O
 weights, spec validation.md §5.3) is computed on that rank, in parallel with the others, from
-clones taken before the implementation runs, with the same thread count: the per-rank front of
-the layer is then bit-identical between golden and implementation, and only the output half
-differs by fp32 summation order. Each of the layer's checks is judged whole on a rank of its
+clones taken before the implementation is even imported (in the layer stage), with the same
+thread count: the per-rank front of the layer is then bit-identical between golden and
+implementation, and only the output half differs by fp32 summation order. Each of the layer's checks is judged whole on a rank of its
 own (`launcher.run.judging`: every rank sends its shards of the check's tensors there), and
 rank 0 collects the verdicts.
 A rank's inputs and golden are read from the golden cache when its entries are whole
 (`launcher.run.rank_data`). A golden that fails on any rank stops every rank before the
-implementation runs.
+implementation runs. Nothing the golden or the judges run may have been replaced (a
+monkey-patch, `launcher.run.golden_guard`): checked before the golden, after the implementation
+is imported and built, and after each time it ran; a change is a contract error.
 With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
 slice); `recompute_golden` adds the computed golden as a second reference.
 Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return the
@@ -53,7 +55,7 @@ from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
 from launcher.config.tolerance import fails_the_run
-from launcher.run import bench, devices, faults, forkserver, judging, lifeline, nodes, watchdog
+from launcher.run import bench, devices, faults, forkserver, golden_guard, judging, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.run.rank_data import cached_golden, cached_group_golden, rank_inputs
 from launcher.store import snapshot
@@ -101,6 +103,16 @@ def implementation_contract(rank: int):
             raise
         raise ImplContractError(f"rank {rank}: the implementation raised KeyboardInterrupt itself (no Ctrl-C "
                                 f"reached this rank) instead of returning its outputs or raising an error") from e
+
+
+def check_harness_untouched(rank: int, when: str) -> None:
+    """Refuse to go on where a function the golden or the judges run was replaced
+    (`golden_guard`): a golden computed with it would be the implementation's math."""
+    changed = golden_guard.changes()
+    if changed:
+        raise ImplContractError(
+            f"rank {rank}: functions the golden and the judges run changed {when}: {'; '.join(changed)}. The "
+            "implementation must call its own functions, not replace the harness's or torch's")
 
 
 class GoldenNotFinite(RuntimeError):
@@ -225,6 +237,7 @@ def rank_main(spec: RunSpec):
     """A rank in a process of its own (the elastic agent's, or an external torchrun's): join
     the world, run the one job, leave."""
     lifeline.die_with_parent()  # a rank never outlives its parent, whatever kills the launcher
+    golden_guard.record()  # a spawned rank's own; a forked one inherited its parent's
     devices.enter_job_slot(spec.slot)  # before anything counts the cores or devices
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     if spec.nnodes > 1:
@@ -325,6 +338,9 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
     pure = layer.names_of(case, Kind.INPUT)
     with timer.stage("fixture"):
+        check_harness_untouched(rank, "before this job's golden (by an implementation imported before it: an "
+                                      "earlier job's on this warm rank, or this one's by the preflight of this "
+                                      "process or of the one it was forked from)")
         wo_full, inputs_cache = None, None
         if spec.golden_data:
             inputs = snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs)
@@ -333,10 +349,8 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             made = rank_inputs(spec, layer, case, grank, pure, stores_group=layout.leads_group_on(node_ranks(spec)))
             inputs, input_digests, wo_full, inputs_cache = made.tensors, made.sha256, made.wo_full, made.cache
             del made  # the tensors go with `inputs`, before the judges stack theirs
-        with implementation_contract(rank):
-            impl = instantiate(spec.impl)
-    # Every reference is made before the implementation runs, from clones of the inputs:
-    # nothing the implementation does can reach it.
+    # Every reference is made before the implementation is imported, from clones of the inputs:
+    # nothing its module, constructor or call does can reach it.
     ctx = RankContext(case=case, rank=grank, device=device, group=group, global_rank=rank, group_index=layout.group)
     references, cache_status, context = {}, None, {}
     if spec.golden:
@@ -370,12 +384,16 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                     snapshot.save(folder, group_case, specs, ins, outs, _starts(ins, group_case))
             del stacked_in, stacked_out
     with timer.stage("layer"):
+        with implementation_contract(rank):
+            impl = instantiate(spec.impl)
+        check_harness_untouched(rank, "on import or construction of the implementation")
         tensors = {n: t.to(device) for n, t in inputs.items()}
         # The benchmark restores the in-out tensors to their values before the step.
         pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
         pure_tensors = {n: tensors[n] for n in pure}  # the implementation may rebind the dict's entries
         with implementation_contract(rank):
             outputs = impl(ctx, tensors)
+        check_harness_untouched(rank, "while the implementation ran")
         # An output fault hits the layer's output (x_out, x_next), a focused scope's first in-out.
         faults.on_outputs(spec.fault, rank, outputs, (layer.names_of(case, Kind.OUTPUT) or compared)[0], case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
@@ -398,6 +416,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             if trace:
                 os.makedirs(os.path.dirname(trace), exist_ok=True)
             times = bench.run_rounds(impl, ctx, tensors, pristine, spec.bench, trace)
+            check_harness_untouched(rank, "while the benchmark ran the implementation")
             del tensors, pristine
             every = [None] * world if rank == 0 else None
             dist.gather_object(times, every, dst=0)
@@ -431,6 +450,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                      else layer.rank_inputs(case, grank))
             with implementation_contract(rank):
                 walked = bisect.bisect_rank(layer, ctx, fresh, impl)
+            check_harness_untouched(rank, "while bisect ran the implementation")
             merged = bisect.gather_bisect(ctx, walked)
             located = [None] * world if rank == 0 else None
             dist.gather_object(merged, located, dst=0)  # each group's rank 0 holds its group's report
