@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from layers.contract.config import ConfigError
 
 from launcher import sweep_config
+from launcher.config import output_dirs
 from launcher.config.job_slot import JobSlot, job_slot, slot_count
 from launcher.config.one_composition import composed_once
 from launcher.config.slurm import node_output_dir
@@ -113,8 +114,10 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
 
 
 class OutputFolder(Callback):
-    """Creates the run's (or the sweep's) output folder before Hydra does: one that cannot be
-    created is refused with one line and exit status 2, not a traceback from Hydra's mkdir."""
+    """Creates the run's (or the sweep's) output folder before Hydra does and claims it for
+    this launcher (`launcher.config.output_dirs.claim`, this node's folder of a Slurm job): one
+    that cannot be created, or that another launcher holds, is refused with one line and exit
+    status 2, before Hydra writes anything into it."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         _create_output_folder(config, "hydra.run.dir")
@@ -126,9 +129,10 @@ class OutputFolder(Callback):
 def _create_output_folder(config: DictConfig, key: str) -> None:
     progress.composition_done()  # the error line goes to the terminal
     try:
-        os.makedirs(str(OmegaConf.select(config, key)), exist_ok=True)  # claims a ${fresh_dir:...} folder
+        folder = str(OmegaConf.select(config, key))  # creates a ${fresh_dir:...} folder
+        output_dirs.claim(node_output_dir(folder, os.environ) if key == "hydra.run.dir" else folder)
         return
-    except (OSError, OmegaConfBaseException) as e:
+    except (OSError, OmegaConfBaseException, ConfigError) as e:
         cause = e
         while cause is not None and not isinstance(cause, (OSError, ConfigError)):
             cause = cause.__cause__ or cause.__context__

@@ -546,3 +546,16 @@ class ExpectsFreshProcessState(TorchTP):
         if any(left.values()):
             raise RuntimeError(f"an earlier job's process state is still here: {[k for k, v in left.items() if v]}")
         return super().__call__(ctx, tensors)
+
+
+class HoldsTheLauncherAfterItsResult(Callback):
+    """A Hydra callback, in the launcher: once the job has written its result, creates
+    `$DSV4_TEST_HOLD.held` and waits for `$DSV4_TEST_HOLD.go` (at most 300 s), so that a test
+    can start a second launcher while this one still runs."""
+
+    def on_job_end(self, config, job_return, **kwargs):
+        base = os.environ["DSV4_TEST_HOLD"]
+        open(f"{base}.held", "w").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(f"{base}.go") and time.monotonic() < deadline:
+            time.sleep(0.05)
