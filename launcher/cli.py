@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from layers.contract.config import ConfigError
 
 from launcher import sweep_config
+from launcher.config import output_dirs
 from launcher.config.job_slot import JobSlot, job_slot, slot_count
 from launcher.config.one_composition import composed_once
 from launcher.config.slurm import node_output_dir
@@ -137,9 +138,10 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
 
 
 class OutputFolder(Callback):
-    """Creates the run's (or the sweep's) output folder before Hydra does: one that cannot be
-    created or written, or whose disk is (nearly) full, is refused with one line and exit status
-    2, not a traceback from Hydra's mkdir or its config copies."""
+    """Creates the run's (or the sweep's) output folder before Hydra does and claims it for
+    this launcher (`launcher.config.output_dirs.claim`, this node's folder of a Slurm job): one
+    that cannot be created or written, whose disk is (nearly) full, or that another launcher
+    holds, is refused with one line and exit status 2, before Hydra writes anything into it."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         _create_output_folder(config, "hydra.run.dir")
@@ -159,7 +161,9 @@ def _create_output_folder(config: DictConfig, key: str) -> None:
     folder = key
     try:
         folder = str(OmegaConf.select(config, key))  # claims a ${fresh_dir:...} folder
-        os.makedirs(folder, exist_ok=True)
+        if key == "hydra.run.dir":
+            folder = node_output_dir(folder, os.environ)
+        output_dirs.claim(folder)
         with tempfile.TemporaryFile(dir=folder) as probe:  # a read-only mount, a full disk
             probe.write(bytes(4096))
             probe.flush()
@@ -169,7 +173,7 @@ def _create_output_folder(config: DictConfig, key: str) -> None:
             return
         why = (f"{key}: {folder} has {free} bytes free on its disk, under the {MIN_FREE_BYTES} a run writes; "
                f"free some space or choose another folder")
-    except (OSError, OmegaConfBaseException) as e:
+    except (OSError, OmegaConfBaseException, ConfigError) as e:
         cause = e
         while cause is not None and not isinstance(cause, (OSError, ConfigError)):
             cause = cause.__cause__ or cause.__context__

@@ -11,6 +11,8 @@ when a job would be refused. `rerun` runs the jobs whose verdict was FAIL, ERROR
 after another (`python -m launcher JOB'S OVERRIDES OVERRIDES...`) into a sweep folder of its
 own (`DIR`, default `<sweep dir>/rerun-<date>-<time>`), which gets its summary.json, junit.xml
 and table as any sweep does; exit status the worst rerun job's. `--list` names them only.
+`DIR` must be new or empty: a rerun never writes over a sweep's summary or a job's result (the
+original sweep's, or another rerun's), and two reruns never share a folder.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from layers.contract.config import ConfigError
 
+from launcher.config.output_dirs import fresh_dir
 from launcher.report.console import table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
 from launcher.report.sweep import SWEEP_FILE, collect_rows, job_entry, write_summary
@@ -118,13 +121,10 @@ def rerun(sweep_dir: str, into: str | None, extra: list[str], only_list: bool) -
     if only_list or not todo:
         print(f"rerun: {len(todo)} jobs of {sweep_dir} did not pass")
         return EXIT_PASS
-    into = os.path.abspath(into or os.path.join(sweep_dir, time.strftime("rerun-%Y%m%d-%H%M%S")))
     jobs = [_with_extra(r["overrides"], extra) for r in todo]
-    os.makedirs(into, exist_ok=True)
     record = {"id": os.urandom(16).hex(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "jobs": jobs,
               "rerun_of": {"sweep_dir": os.path.abspath(sweep_dir), "jobs": [r["job"] for r in todo]}}
-    with open(os.path.join(into, SWEEP_FILE), "w") as f:
-        json.dump(record, f, indent=1)
+    into = _claim(into or fresh_dir(os.path.join(sweep_dir, time.strftime("rerun-%Y%m%d-%H%M%S"))), record)
     for num, overrides in enumerate(jobs):
         print(f"[{num + 1}/{len(jobs)}] rerun of job {todo[num]['job']}: {' '.join(overrides)}", file=sys.stderr)
         job_dir = os.path.join(into, str(num))
@@ -137,6 +137,26 @@ def rerun(sweep_dir: str, into: str | None, extra: list[str], only_list: bool) -
             write_summary(into, interrupted=True)
             return code
     return write_summary(into)
+
+
+def _claim(into: str, record: dict) -> str:
+    """Make `into` (new or empty) the rerun's sweep folder by creating its sweep.json, which no
+    other process can create as well; ConfigError for a folder that holds anything."""
+    into = os.path.abspath(into)
+    try:
+        entries = sorted(os.listdir(into)) if os.path.isdir(into) else []
+        if entries:
+            shown = ", ".join(entries[:5]) + (f", ... {len(entries) - 5} more" if len(entries) > 5 else "")
+            raise ConfigError(f"--into {into} is not empty (it holds {shown}): a rerun writes into a new or empty "
+                              f"folder, never over a sweep's summary or results")
+        os.makedirs(into, exist_ok=True)
+        with open(os.path.join(into, SWEEP_FILE), "x") as f:
+            json.dump(record, f, indent=1)
+    except FileExistsError as e:  # another rerun claimed it meanwhile, or `into` is a file
+        raise ConfigError(f"--into {into}: {e.filename} exists; choose a new folder") from e
+    except OSError as e:
+        raise ConfigError(f"--into {into}: {e.filename} cannot be created ({e.strerror})") from e
+    return into
 
 
 def _adopt(job_dir: str, job: dict) -> None:

@@ -589,3 +589,16 @@ class PatchesNormWhenDropped(TorchTP):
 
     def __del__(self):
         patch_rms_norm()
+
+
+class HoldsTheLauncherAfterItsResult(Callback):
+    """A Hydra callback, in the launcher: once the job has written its result, creates
+    `$DSV4_TEST_HOLD.held` and waits for `$DSV4_TEST_HOLD.go` (at most 300 s), so that a test
+    can start a second launcher while this one still runs."""
+
+    def on_job_end(self, config, job_return, **kwargs):
+        base = os.environ["DSV4_TEST_HOLD"]
+        open(f"{base}.held", "w").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(f"{base}.go") and time.monotonic() < deadline:
+            time.sleep(0.05)

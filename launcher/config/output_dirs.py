@@ -8,10 +8,18 @@ does not exist yet, created at once (`os.mkdir` is atomic, so two claims never g
 
 Resolved once per process (OmegaConf's resolver cache, which Hydra copies to every job of a
 sweep); a folder that cannot be created is a ConfigError naming it and why.
+
+A folder named explicitly (`hydra.run.dir=out`) is not made fresh: two launchers given the
+same one would write over each other, the later result winning. `claim` holds the folder for
+the launcher's lifetime (an exclusive `flock` of its `.launcher.lock`, which the kernel
+releases when the process ends, however it ends); a second launcher given a folder another
+one holds is refused before it writes anything there. A folder reused after its launcher
+ended is the user's to reuse.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 
@@ -32,3 +40,25 @@ def fresh_dir(base: str) -> str:
         why = "not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
         raise ConfigError(f"output folder {base} cannot be created ({e.filename}: {why}); "
                           f"set hydra.run.dir (or hydra.sweep.dir) to a writable folder") from e
+
+
+LOCK = ".launcher.lock"
+_held: dict[str, int] = {}  # folder -> the open lock file holding it, for this process's life
+
+
+def claim(path: str) -> None:
+    """Hold `path` (created if need be) for this process; a ConfigError when another live
+    launcher holds it."""
+    path = os.path.abspath(path)
+    if path in _held:
+        return
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"output folder {path} is in use by another launcher, which would write over this "
+                          f"one's results or this one over its: give each launcher (each node of a multi-node "
+                          f"run) a folder of its own") from None
+    _held[path] = fd

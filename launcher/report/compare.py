@@ -14,7 +14,13 @@ A regression, which makes the comparison exit 1:
   difference of another implementation into a regression);
 * a benchmark median slower by more than `slower` (a fraction) where both runs have one;
 * a candidate job that did not pass and matches no baseline job (a new case, or one refused
-  before its case was known): nothing shows it failed before.
+  before its case was known): nothing shows it failed before;
+* a baseline job that passed and matches no candidate job: a case the candidate no longer
+  runs is not a case that still passes.
+
+Results are read in this tool's layout only (`schema_version`, `launcher.report.result`): a
+result.json of another version, or one that lacks what a result holds, is a CompareError
+naming the file, never a comparison of whatever keys happen to be there.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.report.console import fmt, table_lines
-from launcher.report.result import verdict
+from launcher.report.result import SCHEMA_VERSION, verdict
 from launcher.report.sweep import collect_rows, job_row
 
 # The keys that define a case; `impl`, `backend` and the job number do not.
@@ -37,7 +43,7 @@ NOT_PASSED = ("FAIL", "ERROR", "SKIP")
 
 
 class CompareError(ValueError):
-    """A folder that holds neither a run nor a sweep."""
+    """A folder that holds neither a run nor a sweep, or a result this tool cannot read."""
 
 
 @dataclass
@@ -85,6 +91,24 @@ def job_of(label: str, result: dict | None, message: str = "") -> Job:
                bench_median_s=bench.get("median_s"), message=row.get("message") or "")
 
 
+def _check_layout(path: str, result) -> None:
+    """Refuse a result that is not of this tool's schema_version."""
+    if not isinstance(result, dict) or result.get("schema_version") != SCHEMA_VERSION:
+        written = result.get("schema_version") if isinstance(result, dict) else None
+        raise CompareError(f"{path}: schema_version {written}, this tool reads schema_version {SCHEMA_VERSION} "
+                           f"only (compare it with the version that wrote it)")
+
+
+def _readable_job(path: str, label: str, result: dict | None, message: str = "") -> Job:
+    """`job_of` for a result read from `path`, refused unless it is of this tool's layout."""
+    if result is not None:
+        _check_layout(path, result)
+    try:
+        return job_of(label, result, message)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CompareError(f"{path}: not a result of this tool's layout ({type(e).__name__}: {e})") from e
+
+
 def load(path: str) -> list[Job]:
     """The jobs of a run folder or a sweep folder."""
     if not os.path.isdir(path):
@@ -94,12 +118,18 @@ def load(path: str) -> list[Job]:
         result_path = os.path.join(path, "result.json")
         if not os.path.isfile(result_path):
             raise CompareError(f"{path} holds no result.json, sweep.json or summary.json: not a run or sweep folder")
-        return [job_of(path, _read(result_path))]
+        return [_readable_job(result_path, path, _read(result_path))]
+    try:
+        rows = collect_rows(path, check=_check_layout)
+    except (KeyError, TypeError, AttributeError) as e:  # a job's result that lacks what a result holds
+        raise CompareError(f"{path}: a job's result.json is not of this tool's layout (schema_version "
+                           f"{SCHEMA_VERSION}; {type(e).__name__}: {e})") from e
     jobs = []
-    for row in collect_rows(path):
+    for row in rows:
         folder = row["output_dir"]
-        result = _read(os.path.join(folder, "result.json")) if folder not in ("-", None) else None
-        jobs.append(job_of(f"job {row['job']}", result, row.get("message", "")))
+        result_path = os.path.join(folder, "result.json") if folder not in ("-", None) else None
+        result = _read(result_path) if result_path else None
+        jobs.append(_readable_job(result_path or path, f"job {row['job']}", result, row.get("message", "")))
     if not jobs:
         raise CompareError(f"{path} is a sweep folder without any job")
     return jobs
@@ -182,13 +212,15 @@ def compare(baseline: list[Job], candidate: list[Job], t: Thresholds) -> dict:
     pairs, only_baseline, only_candidate = match(baseline, candidate)
     matched = [compare_pair(b, c, t) for b, c in pairs]
     unmatched_failing = [c for c in only_candidate if c.verdict in NOT_PASSED]
+    missing_passed = [b for b in only_baseline if b.verdict == "PASS"]
     return {
         "thresholds": dataclasses.asdict(t),
         "matched": matched,
         "only_baseline": [_unmatched(j) for j in only_baseline],
         "only_candidate": [_unmatched(j) for j in only_candidate],
         "unmatched_candidate_not_passed": [j.label for j in unmatched_failing],
-        "regressed": any(m["regressions"] for m in matched) or bool(unmatched_failing),
+        "baseline_passed_missing": [j.label for j in missing_passed],
+        "regressed": any(m["regressions"] for m in matched) or bool(unmatched_failing) or bool(missing_passed),
     }
 
 
@@ -226,10 +258,14 @@ def render(report: dict) -> str:
         j = next(u for u in report["only_candidate"] if u["job"] == name)
         lines.append(f"REGRESSION {name} ({_case_text(j['case'])}): {j['verdict']} with no baseline job of its case"
                      + (f": {j['message']}" if j["message"] else ""))
+    for name in report["baseline_passed_missing"]:
+        j = next(u for u in report["only_baseline"] if u["job"] == name)
+        lines.append(f"REGRESSION {name} ({_case_text(j['case'])}): PASS in the baseline, no candidate job of its case")
     for side in ("only_baseline", "only_candidate"):
         for j in report[side]:
             lines.append(f"unmatched, {side.replace('_', ' ')}: {j['job']} ({_case_text(j['case'])}) {j['verdict']}")
-    n_reg = sum(bool(m["regressions"]) for m in report["matched"]) + len(report["unmatched_candidate_not_passed"])
+    n_reg = (sum(bool(m["regressions"]) for m in report["matched"]) + len(report["unmatched_candidate_not_passed"])
+             + len(report["baseline_passed_missing"]))
     lines.append(f"compare: {len(report['matched'])} matched, {n_reg} regressed, {len(report['only_baseline'])} only in "
                  f"the baseline, {len(report['only_candidate'])} only in the candidate")
     return "\n".join(lines)

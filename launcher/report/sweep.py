@@ -29,6 +29,7 @@ import re
 import time
 import uuid
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from hydra.core.global_hydra import GlobalHydra
@@ -291,10 +292,12 @@ def _results(sweep_dir: str, sweep_id: str | None) -> dict[int, tuple[str, dict]
     return found
 
 
-def collect_rows(sweep_dir: str, interrupted: bool = False) -> list[dict]:
+def collect_rows(sweep_dir: str, interrupted: bool = False,
+                 check: Callable[[str, dict], None] | None = None) -> list[dict]:
     """One row per job of the sweep in `sweep_dir`, from the files its jobs wrote, whichever
     launcher ran them and wherever: a planned job without a result is an ERROR row, or a SKIP
-    when the sweep was interrupted before it ran."""
+    when the sweep was interrupted before it ran. `check(result_path, result)` sees each result
+    before it is read (and may raise: a reader that refuses another layout)."""
     record = read_record(sweep_dir) or {}
     found = _results(sweep_dir, record.get("id"))
     planned = record.get("jobs")
@@ -307,6 +310,8 @@ def collect_rows(sweep_dir: str, interrupted: bool = False) -> list[dict]:
                          "verdict": "SKIP", "exit_code": EXIT_CODES["SKIP"], "passed": False, "wall_s": None, "failed_tensors": [], "tensor": None,
                          "message": "not run: the sweep was interrupted"})
             continue
+        if result is not None and check is not None:
+            check(os.path.join(folder, "result.json"), result)
         overrides = result["job"]["overrides"] if result else planned[num]
         rows.append(job_row(num, overrides, folder or "-", result))
     return rows

@@ -4,7 +4,10 @@
 0-dim tensor (`local_t`); `out/` holds every output after the step (x_out and every mutated
 cache/state). Tensors carry a leading rank axis of size tp, except 0-dim scalars; the sharded O
 weights are stacked shards (`wo_a[tp, G/tp, OL, GI]`, `wo_b[tp, D, (G/tp)*OL]`). We add a
-`manifest.json` the reference ignores; its sha256 per file is verified on replay.
+`manifest.json` the reference ignores; its sha256 per file is verified on replay, and the
+manifest itself carries `manifest_sha256`, the digest of the rest of its content: a manifest
+whose case (seed, model_fields, ...) was edited after the save is refused, as is one without
+that digest (delete manifest.json to replay such a snapshot as the reference's, from its files).
 
 Reading follows the reference runner's replay rules (validation.md §4, §13.8): every missing
 file is named at once, a scalar file must hold a 0-dim tensor of the spec's dtype. Files are
@@ -37,6 +40,7 @@ from layers.contract.config import ConfigError
 from layers.contract.tensors import Kind, TensorSpec
 
 MANIFEST = "manifest.json"
+MANIFEST_HASH = "manifest_sha256"  # the manifest's own digest, over every other key
 SUBDIRS = ("in", "out")
 # What a folder may hold to be replaced by `save_overwrite=true`: a snapshot's parts (ours, and
 # the reference.json the reference's shared snapshots carry).
@@ -128,7 +132,26 @@ def read_manifest(directory: str) -> dict | None:
         raise ConfigError(f"{path}: cannot be read as JSON ({e})") from e
     if not isinstance(manifest, dict):
         raise ConfigError(f"{path}: holds a {type(manifest).__name__}, expected a JSON object")
+    if MANIFEST_HASH not in manifest:
+        raise ConfigError(f"{path}: records no {MANIFEST_HASH}, so its case cannot be trusted (saved by an earlier "
+                          f"version, or edited): save the snapshot again, or delete {MANIFEST} to replay it as a "
+                          f"reference snapshot, its case read from its files")
+    if manifest[MANIFEST_HASH] != manifest_digest(manifest):
+        raise ConfigError(f"{path}: its content is not the one its {MANIFEST_HASH} records (the manifest was "
+                          f"edited after the snapshot was saved)")
     return manifest
+
+
+def manifest_digest(manifest: dict) -> str:
+    """The sha256 of a manifest's keys but its own digest, as canonical JSON (sorted keys), so
+    that the file's layout does not count, every value does."""
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_HASH}))  # as it reads back
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed(manifest: dict) -> dict:
+    """`manifest` with its `manifest_sha256`."""
+    return {**manifest, MANIFEST_HASH: manifest_digest(manifest)}
 
 
 def missing_files(directory: str, specs: dict[str, TensorSpec]) -> list[str]:
@@ -279,7 +302,7 @@ def save(directory: str, case: Case, specs: dict[str, TensorSpec], inputs: dict,
             torch.save((t[0] if _is_scalar(spec) else t).contiguous(), path_of(building, sub, name))
             hashes[f"{sub}/{name}.pt"] = sha256(path_of(building, sub, name))
         with open(os.path.join(building, MANIFEST), "w") as f:
-            json.dump(_manifest(case, starts, hashes), f, indent=1)
+            json.dump(sealed(_manifest(case, starts, hashes)), f, indent=1)
         _swap_in(building, directory, os.path.join(parent, f".{base}.old-{token}"))
     finally:
         shutil.rmtree(building, ignore_errors=True)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -260,6 +261,41 @@ def test_two_launchers_started_together_keep_two_results(tmp_path):
     assert codes == [0, 1], [p.communicate() for p in procs]
     results = [json.loads(p.read_text()) for p in sorted((tmp_path / "outputs").glob("same*/result.json"))]
     assert sorted(r["case"]["impl"] for r in results) == ["layers.tp.TorchTP", "tests.defects.PerturbRankTokens"]
+
+
+@pytest.mark.parametrize("mode, folder_key, kept", [
+    ([], "hydra.run.dir", ["result.json", "report.html", ".hydra/config.yaml", ".hydra/overrides.yaml"]),
+    (["-m"], "hydra.sweep.dir", ["sweep.json", "0/result.json", "0/.hydra/overrides.yaml"]),
+])
+def test_a_second_launcher_on_a_folder_another_one_holds_is_refused_and_writes_nothing(tmp_path, mode, folder_key,
+                                                                                         kept):
+    """Two launchers given the same explicit output folder: the second, started while the first
+    runs (here: holds on after writing its result), must not write over the first's files."""
+    out, hold = tmp_path / "out", tmp_path / "hold"
+    env = dict(os.environ, PYTHONPATH=str(REPO), DSV4_TEST_HOLD=str(hold))
+    args = [sys.executable, "-m", "launcher", *mode, "layer=swa", "tp=2", "model=tiny", "golden_cache=null",
+            f"{folder_key}={out}"]
+    first = subprocess.Popen([*args, "+hydra.callbacks.hold._target_=tests.defects.HoldsTheLauncherAfterItsResult"],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not Path(f"{hold}.held").exists():  # the first's result is written, its launcher still runs
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.05)
+        written = {name: (out / name).read_bytes() for name in kept}
+        second = subprocess.run([*args, "impl=tests.defects.PerturbRankTokens"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == EXIT_ERROR, second.stdout + second.stderr
+        assert second.stderr.strip().startswith(f"error: output folder {out} is in use by another launcher"), \
+            second.stderr
+        assert {name: (out / name).read_bytes() for name in kept} == written
+    finally:
+        Path(f"{hold}.go").touch()
+    assert first.wait(timeout=300) == 0, first.communicate()
+    result = out / ("0/result.json" if mode else "result.json")
+    assert json.loads(result.read_text())["case"]["impl"] == "layers.tp.TorchTP"
+    if not mode:  # its launcher gone, the folder is free again: a later run may reuse it
+        again = run_cli(["layer=swa", "tp=1", "model=tiny", "golden_cache=null"], tmp_path)
+        assert again.returncode == 0, again.stdout + again.stderr
 
 
 @pytest.mark.parametrize("args", [

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from launcher.report.compare import Job, Thresholds, compare
+from launcher.report.result import SCHEMA_VERSION
 
 from ..conftest import REPO, run_cli
 from ..conftest import multirun
@@ -62,9 +63,13 @@ def test_the_same_sweep_and_two_identical_runs_do_not_regress(sweeps, tmp_path):
     p = compare_cli(base / "1", tmp_path / "out", "--json")
     assert p.returncode == 0, p.stdout + p.stderr
     assert json.loads(p.stdout)["matched"][0]["regressions"] == []
-    # Against the whole sweep the run matches job 1 alone; job 0 is listed as unmatched.
+    # Against the whole sweep the run matches job 1 alone: job 0, which passed, is missing.
     p = compare_cli(base, tmp_path / "out")
-    assert p.returncode == 0 and "unmatched, only baseline: job 0 (swa tiny tp=1 local_t=128" in p.stdout, p.stdout
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "REGRESSION job 0 (swa tiny tp=1 local_t=128 seed=20260819): PASS in the baseline, no candidate job " \
+           "of its case" in p.stdout, p.stdout
+    assert "unmatched, only baseline: job 0 (swa tiny tp=1 local_t=128" in p.stdout
+    assert "compare: 1 matched, 1 regressed, 1 only in the baseline, 0 only in the candidate" in p.stdout
 
 
 def test_a_grown_error_and_a_slower_median_are_regressions(sweeps, tmp_path):
@@ -111,3 +116,68 @@ def test_a_folder_that_is_neither_is_refused_in_one_line(tmp_path):
     p = compare_cli(tmp_path, tmp_path)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip() == f"error: {tmp_path} holds no result.json, sweep.json or summary.json: not a run or sweep folder"
+
+
+def test_folders_without_a_case_in_common_are_an_error_not_a_pass(sweeps):
+    base, cand = sweeps
+    p = compare_cli(base / "0", cand / "1")  # tp=1 against tp=2: nothing to compare
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+    assert p.stderr.strip() == f"error: no job of {cand / '1'} (1) has the case of a job of {base / '0'} (1): " \
+                               "nothing was compared"
+
+
+@pytest.mark.parametrize("option", ["--error-factor", "--error-floor", "--slower"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_threshold_that_is_not_a_finite_number_is_refused(sweeps, tmp_path, option, value):
+    base, _ = sweeps
+    cand = tmp_path / "cand"
+    shutil.copytree(base / "1", cand)
+    result = json.loads((cand / "result.json").read_text())
+    next(v for v in result["verdicts"] if v["tensor"] == "x_out")["figures"]["max_abs_diff"] = 3e-3
+    (cand / "result.json").write_text(json.dumps(result))
+    assert compare_cli(base / "1", cand).returncode == 1  # the growth the threshold would hide
+    p = compare_cli(base / "1", cand, option, value)
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+    assert "must be a finite number" in p.stderr
+
+
+def _edited(src, dst, edit):
+    shutil.copytree(src, dst)
+    path = dst / "result.json" if (dst / "result.json").is_file() else dst / "1" / "result.json"
+    result = json.loads(path.read_text())
+    edit(result)
+    path.write_text(json.dumps(result))
+    return path
+
+
+def _earlier_layout(result):
+    """A result of the layout before schema_version: no provenance, no verdict tallies."""
+    del result["schema_version"]
+    for v in result["verdicts"]:
+        del v["tally"]
+
+
+@pytest.mark.parametrize("edit, written", [(_earlier_layout, "None"),
+                                           (lambda r: r.update(schema_version=SCHEMA_VERSION + 1), SCHEMA_VERSION + 1)])
+@pytest.mark.parametrize("what", ["run", "sweep"])
+def test_a_result_of_another_schema_version_is_an_error_naming_it(sweeps, tmp_path, edit, written, what):
+    base, _ = sweeps
+    src = base / "1" if what == "run" else base
+    path = _edited(src, tmp_path / "cand", edit)
+    for args in ((src, tmp_path / "cand"), (tmp_path / "cand", src)):
+        p = compare_cli(*args)
+        assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+        assert p.stderr.strip() == f"error: {path}: schema_version {written}, this tool reads schema_version " \
+                                   f"{SCHEMA_VERSION} only (compare it with the version that wrote it)"
+
+
+def test_an_unforeseen_exception_exits_2_never_the_regression_status(monkeypatch, sweeps, capsys):
+    import launcher.compare as cli
+
+    def broken(path):
+        raise RuntimeError("a reader bug")
+
+    monkeypatch.setattr(cli, "load", broken)
+    base, _ = sweeps
+    assert cli.run([str(base), str(base)]) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err == "error: RuntimeError: a reader bug\n"

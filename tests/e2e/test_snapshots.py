@@ -55,7 +55,7 @@ def test_a_nonfinite_golden_is_a_reference_error_not_a_fail(tp_run, saved):
     torch.save(x, path)
     manifest = json.loads((saved / "manifest.json").read_text())  # a consistent snapshot, its golden broken
     manifest["sha256"]["out/x_out.pt"] = hashlib.sha256(path.read_bytes()).hexdigest()
-    (saved / "manifest.json").write_text(json.dumps(manifest))
+    (saved / "manifest.json").write_text(json.dumps(snapshot.sealed(manifest)))
     run = tp_run(layer="swa", tp=2, model="tiny", golden_data=str(saved))
     assert run.exit_code == 2, run
     err = run.result["error"]
@@ -74,6 +74,39 @@ def test_tampered_output_fails_naming_it(tp_run, saved):
     assert run.exit_code == 1, run
     assert not run.verdict("x_out")["passed"] and run.verdict("kv_cache")["passed"]
     assert [r["rank"] for r in run.verdict("x_out")["per_rank"] if r["n_bad"]] == [1]
+
+
+def _edit_seed(manifest):
+    manifest["seed"] += 1
+
+
+def _edit_model_fields(manifest):
+    manifest["model_fields"]["rope_theta"] *= 2  # no shape shows it: only the manifest says it
+
+
+def _drop_digest(manifest):
+    del manifest[snapshot.MANIFEST_HASH]
+
+
+@pytest.mark.parametrize("edit, why", [
+    (_edit_seed, f"its content is not the one its {snapshot.MANIFEST_HASH} records (the manifest was edited"),
+    (_edit_model_fields, f"its content is not the one its {snapshot.MANIFEST_HASH} records (the manifest was edited"),
+    (_drop_digest, f"records no {snapshot.MANIFEST_HASH}, so its case cannot be trusted"),
+])
+def test_a_manifest_edited_after_the_save_is_refused(tp_run, saved, edit, why):
+    path = saved / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest, indent=1))
+    run = tp_run(golden_data=str(saved))
+    assert run.exit_code == 2 and run.result["status"] == "config-error", run
+    assert run.result["error"]["message"].startswith(f"{path}: {why}"), run.result["error"]["message"]
+
+
+def test_a_manifest_laid_out_anew_is_still_its_own(tp_run, saved):
+    path = saved / "manifest.json"
+    path.write_text(json.dumps(json.loads(path.read_text()), indent=4, sort_keys=True))  # same content
+    assert tp_run(golden_data=str(saved)).passed
 
 
 class _RunsCode:

@@ -66,6 +66,17 @@ def test_rerun_runs_only_the_jobs_that_did_not_pass(tmp_path):
     listed = sweep_cli("rerun", tmp_path / "again", "--list", cwd=tmp_path)
     assert listed.stdout.startswith("job 0 FAIL: layer=swa model=tiny tp=2 impl=tests.defects.PerturbRankTokens")
 
+    # Into a folder that holds anything (the sweep itself, an earlier rerun): refused, nothing
+    # of what it holds rewritten, its passing job's result included.
+    for folder in (sweep_dir, tmp_path / "again"):
+        files = [f for f in folder.rglob("*") if f.is_file()]
+        before = {f: f.read_bytes() for f in files}
+        assert {"summary.json", "junit.xml", "report.html", "sweep.json", "result.json"} <= {f.name for f in files}
+        refused = sweep_cli("rerun", sweep_dir, "impl=layers.tp.TorchTP", "--into", folder, cwd=tmp_path)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert refused.stderr.startswith(f"error: --into {folder} is not empty (it holds "), refused.stderr
+        assert {f: f.read_bytes() for f in folder.rglob("*") if f.is_file()} == before
+
 
 def test_rerun_of_a_folder_that_is_no_sweep_is_refused(tmp_path):
     p = sweep_cli("rerun", tmp_path, cwd=tmp_path)

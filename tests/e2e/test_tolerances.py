@@ -11,6 +11,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from launcher.run.preflight import preflight
+from launcher.store import snapshot
 from layers.contract.config import ConfigError
 
 from ..conftest import multirun
@@ -32,7 +33,7 @@ def perturbed(tp_run, tmp_path):
     torch.save(x, out / "out" / "x_out.pt")
     manifest = json.loads((out / "manifest.json").read_text())
     del manifest["sha256"]["out/x_out.pt"]
-    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "manifest.json").write_text(json.dumps(snapshot.sealed(manifest)))
     return out
 
 
