@@ -57,9 +57,12 @@ fails when all three hold:
     the largest unit of a correct noisy run is at most ~4x the tensor (docs/integrity.md). The
     rest, not the whole, so that a unit's own bad points never raise its bar (one hc stream is
     an eighth of x_out at P = 2).
-A tensor the run makes diagnostic (`tolerance.<t>.diagnostic`: reference_sim's CSA x_out,
-whose top-k flips legitimately concentrate in tokens) has no concentration check: where the
-budget decides nothing, neither does its companion; finite and cap stay.
+Units the layer says may gather a correct run's bad points (`RelDiffCheck.concentrates_in`)
+are no units: CSA's x_out token rows, where the indexer's top-k flips for a token whose scores
+moved by a code, and that token's row differs (measured: up to 0.40 of a row bad in runs the
+reference passes). A tensor the run makes diagnostic (`tolerance.<t>.diagnostic`) has no
+concentration check: where the budget decides nothing, neither does its companion; finite
+and cap stay.
 
 Pure tensor code on CPU: no torch.distributed, no layer code beyond the check dataclasses.
 """
@@ -344,7 +347,7 @@ def _stale_values(tensor: str, rows: MappedRows, values: _Values, a: torch.Tenso
 
 def _concentration(check: RelDiffCheck, actual: torch.Tensor, expected: torch.Tensor) -> IntegrityCheck:
     """Ranks, token rows and middle-axis slices (x_out's hc streams) whose bad fraction is far
-    above the tensor's."""
+    above the rest of the tensor's."""
     p = actual.shape[0]
     a32, e32 = actual.to(torch.float32), expected.to(torch.float32)
     _, rdiff = ratio_reldiff(check.diff_thd, check.pct_thd, check.max_diff_hd).rdiff(a32, e32)
@@ -361,6 +364,7 @@ def _concentration(check: RelDiffCheck, actual: torch.Tensor, expected: torch.Te
     for axis in range(1, actual.dim() - 1):  # the last axis holds one row's channels: no unit
         if actual.shape[axis] > 1:  # a unit of one is the whole rank
             units.append((names[axis - 1], bad.movedim(axis, 1).reshape(p, actual.shape[axis], -1).sum(dim=2)))
+    units = [(name, counts) for name, counts in units if name not in check.concentrates_in]
     size = {name: bad[0].numel() // counts.shape[1] for name, counts in units}
     figures: dict[str, Any] = {"n_bad": 0, "numel": sum(c.numel() for _, c in units), "per_rank": [0] * p,
                                "examples": [], "rule": rule, "tensor_fraction": fraction,

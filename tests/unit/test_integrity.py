@@ -291,3 +291,17 @@ def test_a_diagnostic_tensor_has_no_concentration_check():
     assert not _concentration(actual, golden).passed
     found = _by_name(integrity_checks(X_NEXT, actual, golden, {}, diagnostic=True))
     assert list(found) == ["finite", "cap"]
+
+
+def test_units_the_layer_says_may_concentrate_are_left_alone():
+    """CSA's x_out: a top-k flip legitimately changes one token's row; its hc streams and ranks
+    are still units."""
+    csa_like = RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"), concentrates_in=("token",))
+    actual, golden = _x_case(0.0)
+    actual[1, 5] = golden[1, 5] * 1.02
+    assert not _concentration(actual, golden).passed
+    c = _by_name(integrity_checks(csa_like, actual, golden, {}))["concentration"]
+    assert c.passed and set(c.figures["max_fraction"]) == {"rank", "hc"}
+    actual[0, :, 1, :32] = golden[0, :, 1, :32] * 1.02
+    c = _by_name(integrity_checks(csa_like, actual, golden, {}))["concentration"]
+    assert not c.passed and [(u["unit"], u["hc"]) for u in c.figures["examples"]] == [("hc", 1)]
