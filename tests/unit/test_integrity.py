@@ -296,7 +296,8 @@ def test_a_diagnostic_tensor_has_no_concentration_check():
 def test_units_the_layer_says_may_concentrate_are_left_alone():
     """CSA's x_out: a top-k flip legitimately changes one token's row; its hc streams and ranks
     are still units."""
-    csa_like = RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"), concentrates_in=("token",))
+    csa_like = RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"),
+                            concentrates_in=("token",))
     actual, golden = _x_case(0.0)
     actual[1, 5] = golden[1, 5] * 1.02
     assert not _concentration(actual, golden).passed
