@@ -254,7 +254,9 @@ class CSALayer(AttentionLayer):
             PoolCheck("cmp_kv", "cmp_slot_mapping", bs, 1e-4, 1 / 128, 0.005, "compressed KV cache"),
             PoolCheck("idx_kv_cache", "idx_slot_mapping", bs, 1, 0, 0.01, "indexer KV cache"),
             PoolCheck("idx_kv_scale", "idx_slot_mapping", bs, 1e-4, 1 / 128, 0.01, "indexer KV scale"),
-            RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1),
+            # A one-code difference of the int8 indexer flips a token's top-k, and that token's
+            # x_out row differs where the rest agree: a token row may gather bad points.
+            RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1, concentrates_in=("token",)),
         )
 
     def start_positions(self, case: Case) -> list[list[int]]:

@@ -602,3 +602,54 @@ class HoldsTheLauncherAfterItsResult(Callback):
         deadline = time.monotonic() + 300
         while not os.path.exists(f"{base}.go") and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+# -- stored zeros and a dropped route: inside the pooled budgets and the caps (stale_values, concentration) --
+class ZeroKvTailColumns(CacheTamperedAfterAttention):
+    """Rank 1 stores zeros in the last 16 columns of its last two tokens' kv cache rows (a
+    kernel whose last vector store never happens): each row is written, so written_rows sees
+    it changed, and a 0 never exceeds the cap 128 atol + |e|."""
+
+    def tamper(self, rank, rows, before):
+        rows[:, -16:] = 0
+
+
+class ZeroKvRows(CacheTamperedAfterAttention):
+    """Rank 1 stores zeros in its last two tokens' whole kv cache rows (SkipTokenCacheWrites
+    with zeros for the old values)."""
+
+    def tamper(self, rank, rows, before):
+        rows.zero_()
+
+
+class HcaStateHalfRowUnwritten(StageDefect):
+    """Rank 1's HCA compressor writes only the first half of its last token's compressor-state
+    row: the second half keeps its value from before the step (the pool's initial 0)."""
+
+    stages = ("compressor",)
+
+    def defective(self, stage, ctx, v):
+        flat = v["compress_state"].view(-1, v["compress_state"].shape[-1])
+        slot = int(v["state_slot_mapping"][-1])
+        before = flat[slot].clone()
+        out = stage.run(ctx, v)
+        if ctx.rank == 1:
+            half = flat.shape[1] // 2
+            flat[slot, half:] = before[half:]
+        return out
+
+
+class MoeDropsLastRoute(StageDefect):
+    """Rank 1's combine drops the last of the K routes of its first 8 tokens: their rows of
+    routed_y_buf stay 0, so those tokens' x_next miss one expert's output (a logic defect whose
+    bad points all sit in 8 token rows, inside the 5 % budget of x_next)."""
+
+    stages = ("combine",)
+    tokens = 8
+
+    def defective(self, stage, ctx, v):
+        out = stage.run(ctx, v)
+        if ctx.rank == 1:
+            k = ctx.model.num_experts_per_tok
+            out["routed_y_buf"][torch.arange(self.tokens) * k + k - 1] = 0
+        return out

@@ -110,9 +110,9 @@ def judge_check(case, tolerances, default: Check, actual: Mapping[str, torch.Ten
     a, e = actual[check.output], golden[check.output]
     cmp = build_comparator(check, mapping_shape=(case.group_size, case.local_t), leading_rank_axis=True)
     v = cmp.evaluate(a, e, inputs=inputs, actual_outputs=actual, expected_outputs=golden)
-    verdict = {"tensor": check.output, **v.to_dict(), "diagnostic": check.output in tolerances.diagnostic,
-               "overridden": overridden}
-    found = integrity_checks(check, a, e, inputs) if integrity_on else []
+    diagnostic = check.output in tolerances.diagnostic
+    verdict = {"tensor": check.output, **v.to_dict(), "diagnostic": diagnostic, "overridden": overridden}
+    found = integrity_checks(check, a, e, inputs, diagnostic) if integrity_on else []
     if not v.passed or not all(c.passed for c in found):
         # where the errors are: per rank x row block / head group / page
         verdict["where"] = where.error_maps(check.output, check, a, e, inputs, seq=case.seq)

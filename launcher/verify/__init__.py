@@ -17,8 +17,9 @@ Modules, one comparator family each:
                 validate_golden
   where         per-rank grids of where a failing output's bad points are (no drawing), and
                 the figures a verdict's summary row shows (`tally`)
-  integrity     the integrity checks beside the reference comparators (written rows, finite,
-                a cap per tensor kind): what a pooled budget must never hide
+  integrity     the integrity checks beside the reference comparators (written rows, stale
+                values, finite, a cap per tensor kind, concentration): what a pooled budget
+                must never hide
   bisect        the first stage and rank where a failing full layer diverges
 The comparators are re-exported here: `from launcher.verify import ratio_allclose`.
 

@@ -33,7 +33,9 @@ from layers.contract.checks import Check, PoolCheck, RelDiffCheck
 from launcher.config.resolvers import row_block
 from launcher.verify.ratio import ratio_reldiff
 
-_AXES = {"x_out": ("token", "hc", "channel"), "x_next": ("token", "hc", "channel")}
+# What the axes of a compared output mean after its leading rank axis (the integrity checks
+# count bad points per token and per hc stream by them).
+AXES = {"x_out": ("token", "hc", "channel"), "x_next": ("token", "hc", "channel")}
 _POOL_AXES = {3: ("block", "row", "channel"), 4: ("block", "row", "head", "channel")}
 
 
@@ -71,7 +73,7 @@ def _reldiff_maps(name: str, check: RelDiffCheck, a: torch.Tensor, e: torch.Tens
     bad = (rdiff > check.diff_thd) | ~finite
     diff = torch.where(finite, diff, 0.0)
     p, t = a.shape[0], a.shape[1]
-    axes = _AXES.get(name, ("row",) + tuple(f"axis{i}" for i in range(2, a.dim())))
+    axes = AXES.get(name, ("row",) + tuple(f"axis{i}" for i in range(2, a.dim())))
     blocks = t // row_block
     per_block = bad.reshape(p, blocks, -1)
     maps = [_grid(

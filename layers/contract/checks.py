@@ -32,12 +32,18 @@ class PoolCheck:
 
 @dataclass(frozen=True)
 class RelDiffCheck:
-    """A floored relative-difference gate with a bad-point budget (validation.md §10)."""
+    """A floored relative-difference gate with a bad-point budget (validation.md §10).
+
+    `concentrates_in`: the units ("rank", or an axis: "token", "hc") in which a correct
+    implementation's bad points may gather, which the launcher's concentration check then
+    leaves alone (CSA's token rows: a top-k flip of the indexer changes one token's row).
+    """
 
     output: str
     diff_thd: float
     pct_thd: float
     max_diff_hd: float
+    concentrates_in: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def test_tiny_below_capacity(tp_run):
 def test_flash_tp2(tp_run):
     run = tp_run(layer="swa", tp=2, model="flash", local_t=64)
     assert run.passed, run
-    assert run.result["integrity"]["passed"] and len(run.result["integrity"]["checks"]) == 5
+    assert run.result["integrity"]["passed"] and len(run.result["integrity"]["checks"]) == 7
     # Each rank's peak RSS is reported, and holds at least the rank's fixture slice.
     case = Case("swa", PRESETS["flash"], 2, 64, 0)
     slice_mib = sum(math.prod(s.shape) * s.dtype.itemsize for s in get_layer("swa").tensor_specs(case).values()) / 2**20

@@ -190,7 +190,8 @@ def test_checks_follow_the_validation_order():
         "idx_kv_cache": ("idx_slot_mapping", 32, 1, 0, 0.01),
         "idx_kv_scale": ("idx_slot_mapping", 32, 1e-4, 1 / 128, 0.01),
     }
-    assert checks[-1] == RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1)
+    # The indexer's top-k flips for a token whose scores moved: its x_out row may gather bad points.
+    assert checks[-1] == RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1, concentrates_in=("token",))
 
 
 # -- the step on one rank ----------------------------------------------------------------------
