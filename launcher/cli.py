@@ -43,7 +43,7 @@ from launcher.report.result import (
     not_launched,
 )
 from launcher.report.run_page import write_result_and_page
-from launcher.run import devices, rank_group, slots
+from launcher.run import devices, rank_group, slots, tee
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
 
@@ -64,8 +64,9 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides
         return _execute(cfg, output_dir, t0, job, overrides, slot)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
         result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
-        write_result_and_page(output_dir, result, job)
+        written = write_result_and_page(output_dir, result, job)
         print(console.render(result))
+        print(console.where_line(output_dir, written))
         return EXIT_ERROR
 
 
@@ -81,8 +82,10 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
         message = " ".join(str(e).split())
         log.info("refused: %s", message)
         print(f"error: {message}", file=sys.stderr)
-        write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", message,
-                                                       wall_s=time.perf_counter() - t0, stage="config"), job)
+        written = write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", message,
+                                                                 wall_s=time.perf_counter() - t0, stage="config"), job)
+        if job is None:  # a sweep's job: its row in the sweep's table says it
+            print(console.where_line(output_dir, written), file=sys.stderr)
         return EXIT_ERROR
     # The ranks append to their progress files: a folder reused from an earlier run starts empty.
     shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
@@ -102,11 +105,13 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
                           wall_s=time.perf_counter() - t0)
     if spec.report_plots:
         result["plots"] = plots.write_plots(result, output_dir)
-    write_result_and_page(output_dir, result, job)
+    written = write_result_and_page(output_dir, result, job)
     report = console.render(result)
     log.info("report:\n%s", report)
     log.info("exit status %d", exit_code(result))
-    print(report)
+    if job is None or exit_code(result) != EXIT_PASS:  # a sweep's passing job: its one progress row says it
+        print(report)
+        print(console.where_line(output_dir, written))
     if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
         raise SystemExit(128 + outcome.interrupted)
     return exit_code(result)
@@ -189,9 +194,16 @@ def one_line(hydra_message: str) -> str:
     return " ".join(keep)
 
 
+VERBOSE_FLAGS = ("-v", "--verbose")
+
+
 def main() -> None:
     """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
     sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
+    verbose = [a for a in sys.argv[1:] if a in VERBOSE_FLAGS]
+    if verbose:  # ours, not Hydra's: rank 0's INFO records on the console too
+        sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in VERBOSE_FLAGS)]
+        tee.show_log_records()
     if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
         sys.exit(_print_sweep_configs(sys.argv[1:]))
     sys.argv += basic_plugins_if_ours_are_hidden(sys.argv[1:])
