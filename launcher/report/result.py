@@ -18,6 +18,10 @@ Two verdicts decide `passed`: the reference comparators' (`reference_passed`, ev
 `{"enabled", "passed", "checks": [...], "recomputed_checks": [...]}`; with integrity=false
 enabled is false, passed None and the reference verdict alone decides).
 
+result.json also carries `verdict` and `decision` (`launcher.report.verdict`): which check
+decided, the two verdicts side by side, what was loosened. A run where no check counts (every
+reference check diagnostic, no integrity check) is UNCHECKED and not `passed`.
+
 `write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`,
 through `launcher.report.run_page.write_result_and_page`, which adds the run's report.html),
 `exit_code` the one rule from a result to the process's exit status.

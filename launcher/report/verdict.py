@@ -1,7 +1,8 @@
 """What decided a run's verdict: the one account the console, the run page, result.json, the
 sweep's table and JUnit all show (docs/verdict.md).
 
-`decision(result)` reads a result dict (`launcher.report.result`) and says:
+`decision(result, word)` reads a result dict (`launcher.report.result`) whose verdict is `word`
+and says:
 
 * `verdict`: PASS / FAIL / UNCHECKED / ERROR / SKIP (`launcher.report.result.verdict`, which
   calls a run where no check counts UNCHECKED: `counts_nothing`);
@@ -16,9 +17,10 @@ sweep's table and JUnit all show (docs/verdict.md).
   check made diagnostic (`x_out diagnostic`, `x_out diagnostic (FAIL, not counted)` where it
   failed), `integrity=false`.
 
-`line(decision)` is that account in one line, after `VERDICT: ` on the console and at the head
-of the run page: `FAIL by integrity (kv_cache cap); reference PASS`,
+`line(decision)` is that account in one line, after `VERDICT: ` on the console, at the head of
+the run page and in JUnit: `FAIL by integrity (kv_cache cap); reference PASS`,
 `PASS; loosened: x_out diff_thd=1e+06 (default 0.003)`, `UNCHECKED: no check counts (...)`.
+`account(decision)` is the same without its verdict word, as a sweep's row says it beside the word.
 """
 
 from __future__ import annotations
@@ -138,7 +140,8 @@ def _clauses(d: dict) -> tuple[str, list[str]]:
     by = [f"{kind} ({', '.join(names)})" for kind, names in d["failed"].items() if names]
     rest = []
     if by:  # the other verdict beside the one that decided: a FAIL by integrity says the reference passed
-        rest += [f"{kind} {d[kind]}" for kind in ("reference", "integrity") if not d["failed"][kind] and d[kind] != "none"]
+        rest += [f"{kind} {d[kind]}" for kind in ("reference", "integrity")
+                 if not d["failed"][kind] and d[kind] != "none"]
     elif d["reference"] == "off":  # a PASS decided by the integrity checks alone
         rest.append("reference off")
     if d["loosened"]:
@@ -164,4 +167,5 @@ def line(d: dict) -> str:
     return "; ".join([d["verdict"] + (f" {by}" if by else "")] + rest)
 
 
-__all__ = ["decision", "line", "account", "loosened", "compared", "counts_nothing", "reference_verdict", "integrity_failures", "check_name", "check_names"]
+__all__ = ["decision", "line", "account", "loosened", "compared", "counts_nothing", "reference_verdict",
+           "integrity_failures", "check_name", "check_names"]
