@@ -84,8 +84,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
         print(f"error: {message}", file=sys.stderr)
         written = write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", message,
                                                                  wall_s=time.perf_counter() - t0, stage="config"), job)
-        if job is None:  # a sweep's job: its row in the sweep's table says it
-            print(console.where_line(output_dir, written), file=sys.stderr)
+        if job is None:  # a sweep's job: its row in the sweep's table says it; stderr keeps its one error line
+            print(console.where_line(output_dir, written))
         return EXIT_ERROR
     # The ranks append to their progress files: a folder reused from an earlier run starts empty.
     shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
