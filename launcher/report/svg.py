@@ -212,7 +212,7 @@ def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence
     for k in decades[::max(1, math.ceil(len(decades) / 8))]:
         y = top + bar_h * (1 - (k - math.log10(lo)) / (math.log10(hi) - math.log10(lo)))
         parts += [line(bar_x + 14, y, bar_x + 18, y, INK), text(bar_x + 21, y + 4, f"1e{k}", 11)]
-    parts.append(text(bar_x + 64, top + bar_h / 2, what, 12, "middle",
+    parts.append(text(bar_x + 64, top + bar_h / 2, "max |diff|" if scale is None else "x tolerance", 12, "middle",
                       transform=f"rotate(-90 {bar_x + 64:.2f} {top + bar_h / 2:.2f})"))
     defs = f'<linearGradient id="diff-scale" x1="0" y1="1" x2="0" y2="0">{stops}</linearGradient>'
     return document(width, top + max(grid_h + names_h + 28, bar_h + 12), parts, defs)
