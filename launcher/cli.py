@@ -45,7 +45,7 @@ from launcher.report.result import (
     not_launched,
 )
 from launcher.report.run_page import write_result_and_page
-from launcher.run import devices, rank_group, slots
+from launcher.run import devices, rank_group, slots, tee
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
 from launcher.store import cache_dir
@@ -67,23 +67,23 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides
         return _execute(cfg, output_dir, t0, job, overrides, slot)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
         result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
-        unwritten = _unwritten(output_dir, result, job)
+        written, unwritten = _write(output_dir, result, job)
         print(console.render(result))
+        print(console.where_line(output_dir, written))
         if unwritten:
             print(unwritten, file=sys.stderr)
         return EXIT_ERROR
 
 
-def _unwritten(output_dir: str, result: dict, job: dict | None) -> str | None:
-    """Write the run's result.json and page; None, or the error line to print when the output
-    folder cannot take them (a full disk, a read-only mount): the run is then an error, its
-    report on the console its only record."""
+def _write(output_dir: str, result: dict, job: dict | None) -> tuple[dict, str | None]:
+    """Write the run's result.json and page; the result as written (as given when it could not
+    be) and None, or the error line to print when the output folder cannot take them (a full
+    disk, a read-only mount): the run is then an error, its report on the console its only record."""
     try:
-        write_result_and_page(output_dir, result, job)
+        return write_result_and_page(output_dir, result, job), None
     except OSError as e:
-        return (f"error: output folder {output_dir}: {os.path.basename(e.filename or 'result.json')} cannot be "
-                f"written ({e.strerror or e}); the report above is this run's only record")
-    return None
+        return result, (f"error: output folder {output_dir}: {os.path.basename(e.filename or 'result.json')} cannot "
+                        f"be written ({e.strerror or e}); the report above is this run's only record")
 
 
 def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None,
@@ -98,8 +98,10 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
         message = " ".join(str(e).split())
         log.info("refused: %s", message)
         print(f"error: {message}", file=sys.stderr)
-        unwritten = _unwritten(output_dir, not_launched(config_case(cfg), "config-error", message,
-                                                        wall_s=time.perf_counter() - t0, stage="config"), job)
+        written, unwritten = _write(output_dir, not_launched(config_case(cfg), "config-error", message,
+                                                             wall_s=time.perf_counter() - t0, stage="config"), job)
+        if job is None:  # a sweep's job: its row in the sweep's table says it; stderr keeps its one error line
+            print(console.where_line(output_dir, written))
         if unwritten:
             print(unwritten, file=sys.stderr)
         return EXIT_ERROR
@@ -121,12 +123,14 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
                           wall_s=time.perf_counter() - t0)
     if spec.report_plots:
         result["plots"] = plots.write_plots(result, output_dir)
-    unwritten = _unwritten(output_dir, result, job)
+    written, unwritten = _write(output_dir, result, job)
     report = console.render(result)
     log.info("report:\n%s", report)
     status = EXIT_ERROR if unwritten else exit_code(result)
     log.info("exit status %d", status)
-    print(report)
+    if job is None or status != EXIT_PASS:  # a sweep's passing job: its one progress row says it
+        print(report)
+        print(console.where_line(output_dir, written))
     cache_usage = cache_dir.usage_line(spec.golden_cache, spec.golden_cache_max_bytes) if job is None else None
     if cache_usage:
         print(cache_usage)
@@ -234,9 +238,16 @@ def one_line(hydra_message: str) -> str:
     return " ".join(keep)
 
 
+VERBOSE_FLAGS = ("-v", "--verbose")
+
+
 def main() -> None:
     """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
     sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
+    verbose = [a for a in sys.argv[1:] if a in VERBOSE_FLAGS]
+    if verbose:  # ours, not Hydra's: rank 0's INFO records on the console too
+        sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in VERBOSE_FLAGS)]
+        tee.show_log_records()
     if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
         sys.exit(_print_sweep_configs(sys.argv[1:]))
     sys.argv += basic_plugins_if_ours_are_hidden(sys.argv[1:])

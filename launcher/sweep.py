@@ -122,11 +122,14 @@ def rerun(sweep_dir: str, into: str | None, extra: list[str], only_list: bool) -
         print(f"rerun: {len(todo)} jobs of {sweep_dir} did not pass")
         return EXIT_PASS
     jobs = [_with_extra(r["overrides"], extra) for r in todo]
+    # Each rerun job keeps its number in the earlier sweep: its folder, its row and its page say job 3
+    # where the earlier sweep did.
+    numbers = [r["job"] for r in todo]
     record = {"id": os.urandom(16).hex(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "jobs": jobs,
-              "rerun_of": {"sweep_dir": os.path.abspath(sweep_dir), "jobs": [r["job"] for r in todo]}}
+              "numbers": numbers, "rerun_of": {"sweep_dir": os.path.abspath(sweep_dir), "jobs": numbers}}
     into = _claim(into or fresh_dir(os.path.join(sweep_dir, time.strftime("rerun-%Y%m%d-%H%M%S"))), record)
-    for num, overrides in enumerate(jobs):
-        print(f"[{num + 1}/{len(jobs)}] rerun of job {todo[num]['job']}: {' '.join(overrides)}", file=sys.stderr)
+    for i, (num, overrides) in enumerate(zip(numbers, jobs)):
+        print(f"[{i + 1}/{len(jobs)}] rerun of job {num}: {' '.join(overrides)}", file=sys.stderr)
         job_dir = os.path.join(into, str(num))
         try:
             code = subprocess.run([sys.executable, "-m", "launcher", *overrides, f"hydra.run.dir={job_dir}"]).returncode

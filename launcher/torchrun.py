@@ -32,7 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from launcher.config.slurm import node_keys, rank_env, slurm_step
 from launcher.config.spec import RunSpec, config_case
-from launcher.report.console import render
+from launcher.report.console import render, where_line
 from launcher.report.result import EXIT_ERROR, build_result, exit_code, not_launched
 from launcher.report.run_page import write_result_and_page
 from launcher.run.launch import RankFailure, failed_stage, is_casualty
@@ -94,8 +94,9 @@ def main(argv: list[str]) -> int:
         return EXIT_ERROR
     result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=time.perf_counter() - t0)
     if rank_result.get("reporting"):  # the comparing rank reports for the run
-        write_result_and_page(output_dir, result)
+        written = write_result_and_page(output_dir, result)
         print(render(result))
+        print(where_line(output_dir, written))
         _report_done(spec, wait=False)
     elif exit_code(result) != 0:  # torchrun stops every worker once one exits non-zero
         _report_done(spec, wait=True)
@@ -128,8 +129,9 @@ def _report_failure(spec: RunSpec, rank: int, exc: BaseException, *, wall_s: flo
     if is_casualty(message) and os.path.exists(os.path.join(spec.output_dir, "result.json")):
         return
     result = build_result(spec, rank_result=None, error=asdict(failure), log_dir=spec.output_dir, wall_s=wall_s)
-    write_result_and_page(spec.output_dir, result)
+    written = write_result_and_page(spec.output_dir, result)
     print(render(result))
+    print(where_line(spec.output_dir, written))
 
 
 if __name__ == "__main__":

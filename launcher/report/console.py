@@ -6,17 +6,19 @@ each verdict's `tally`), each failing tensor's comparator account, where its err
 grids of `launcher.verify.where`, as text), the integrity checks (a table, each failing one's
 account, and the line that sets the reference verdict beside them), the bisect table when
 there is one, and the verdict line.
+`where_line` names the run's folder and page, printed after the report.
 `fmt`, `starts_text` and `table_lines` are the formats the sweep's table and the HTML pages
 share.
 """
 
 from __future__ import annotations
 
+import os
+
 from launcher.config.rank_stages import RANK_STAGES
-from launcher.config.tolerance import fails_the_run
-from launcher.report.result import integrity_failures, verdict, verdict_pair
+from launcher.report.result import verdict, verdict_pair
+from launcher.report.verdict import check_names, decision, line as verdict_line
 from launcher.verify.bisect import render as render_bisect
-from launcher.verify.integrity import CHECKS
 
 
 def fmt(v) -> str:
@@ -90,6 +92,27 @@ def case_columns(rows: list[dict]) -> list[str]:
             *(["start_pos"] if attention else [])]
 
 
+# Run keys beside the case that a sweep's table shows where its jobs differ in them: two jobs
+# of one case and two implementations read as two rows of one table.
+VARIED_KEYS = ("impl", "backend")
+
+
+def varied_columns(rows: list[dict]) -> list[str]:
+    """The VARIED_KEYS whose value differs between the jobs of a sweep."""
+    return [k for k in VARIED_KEYS if len({str(r.get(k)) for r in rows}) > 1]
+
+
+def varying_keys(rows: list[dict]) -> list[str]:
+    """The override keys whose value differs between the jobs (each row's `overrides`), in the
+    order the first job names them; Hydra's own keys left out."""
+    values: dict[str, set[str]] = {}
+    for r in rows:
+        given = dict(o.split("=", 1) if "=" in o else (o, "") for o in r.get("overrides") or [])
+        for key in {*values, *given}:
+            values.setdefault(key, set()).add(given.get(key, "(unset)"))
+    return [k for k, v in values.items() if len(v) > 1 and not k.lstrip("+~").startswith("hydra")]
+
+
 def render(result: dict) -> str:
     lines = [case_line(result["case"])]
     if result.get("snapshot"):
@@ -152,15 +175,19 @@ def render(result: dict) -> str:
     lines.append(verdict_pair(result))
     if result.get("bisect"):
         lines += render_bisect(result["bisect"]).splitlines()
-    verdicts = result["verdicts"] + result.get("recomputed_verdicts", [])
-    failed = sorted({v["tensor"] for v in verdicts if fails_the_run(v)} | {c["tensor"] for c in integrity_failures(result)})
-    diagnostic = sorted({v["tensor"] for v in verdicts if v.get("diagnostic") and not v["passed"]})
-    shown = f" (diagnostic, not counted: {', '.join(diagnostic)} FAIL)" if diagnostic else ""
-    groups = [g["group"] for g in result.get("groups", []) if not g["passed"]]
-    where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}" if groups else ""
-    lines.append(f"VERDICT: {verdict(result)}" + (f" {failed}{where}" if failed else "") + shown
-                 + f" ({result['wall_s']:.1f}s)")
+    lines.append(f"VERDICT: {verdict_line(decision(result, verdict(result)))} ({result['wall_s']:.1f}s)")
     return "\n".join(lines)
+
+
+def where_line(output_dir: str, result: dict) -> str:
+    """Where the run left its files: the folder, its page, a benchmark's profiler traces."""
+    folder = os.path.abspath(output_dir)
+    page = os.path.join(folder, "report.html")
+    parts = [f"run folder: {folder}", f"page: {page}" if os.path.isfile(page) else "page: not written"]
+    profiles = (result.get("bench") or {}).get("profiles")
+    if profiles:
+        parts.append("profiles: " + ", ".join(os.path.join(folder, p) for p in profiles))
+    return "; ".join(parts)
 
 
 def tolerance_line(tolerance: dict | None) -> str | None:
@@ -264,7 +291,8 @@ def _integrity_lines(entry: dict) -> list[str]:
     for c in entry["checks"]:
         f = c["figures"]
         cells.setdefault(c["tensor"], {})[c["check"]] = f"{f['n_bad']}/{f['numel']}" + ("" if c["passed"] else " FAIL")
-    rows = [["integrity", *CHECKS]] + [[t, *(got.get(k, "-") for k in CHECKS)] for t, got in cells.items()]
+    names = check_names(entry["checks"])
+    rows = [["integrity", *names]] + [[t, *(got.get(k, "-") for k in names)] for t, got in cells.items()]
     lines = table_lines(rows)
     for c, against in checks:
         if not c["passed"]:

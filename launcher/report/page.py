@@ -26,7 +26,9 @@ CSS = """
 * { box-sizing: border-box; }
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
        color: #1f2328; margin: 0; background: #fff; }
-main { max-width: 1280px; margin: 0 auto; padding: 16px 24px 40px; }
+main { padding: 16px 24px 40px; }
+main > p { max-width: 140ch; }
+#summary { font-weight: 600; font-size: 15px; }
 h1 { font-size: 20px; margin: 8px 0 4px; display: flex; align-items: center; gap: 12px; flex-wrap: wrap; }
 h2 { font-size: 17px; margin: 28px 0 8px; padding-bottom: 4px; border-bottom: 1px solid var(--line); }
 h3 { font-size: 15px; margin: 18px 0 6px; }

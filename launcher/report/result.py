@@ -18,6 +18,10 @@ Two verdicts decide `passed`: the reference comparators' (`reference_passed`, ev
 `{"enabled", "passed", "checks": [...], "recomputed_checks": [...]}`; with integrity=false
 enabled is false, passed None and the reference verdict alone decides).
 
+result.json also carries `verdict` and `decision` (`launcher.report.verdict`): which check
+decided, the two verdicts side by side, what was loosened. A run where no check counts (every
+reference check diagnostic, no integrity check) is UNCHECKED and not `passed`.
+
 `write_result` is the one writer of result.json (`python -m launcher` and `launcher.torchrun`,
 through `launcher.report.run_page.write_result_and_page`, which adds the run's report.html),
 `exit_code` the one rule from a result to the process's exit status.
@@ -38,6 +42,7 @@ import torch
 
 from launcher.config.spec import RunSpec
 from launcher.config.tolerance import fails_the_run
+from launcher.report.verdict import check_name, counts_nothing, decision, integrity_failures, reference_verdict
 from launcher.run import devices
 from launcher.store import snapshot
 
@@ -47,13 +52,14 @@ EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
 def verdict(result: dict) -> str:
-    """PASS / FAIL; UNCHECKED for a performance-only run (golden=false: nothing was compared);
+    """PASS / FAIL; UNCHECKED for a performance-only run (golden=false: nothing was compared)
+    and for a run where no check counts (every reference check diagnostic, no integrity check);
     ERROR for a run that failed or was refused; SKIP for a fail_fast skip."""
     if result["status"] == "skipped":
         return "SKIP"
     if result["status"] != "ok":
         return "ERROR"
-    if result.get("unchecked"):
+    if result.get("unchecked") or counts_nothing(result):
         return "UNCHECKED"
     return "PASS" if result["passed"] else "FAIL"
 
@@ -87,7 +93,8 @@ def write_result(output_dir: str, result: dict, job: dict | None = None) -> dict
     its `job` entry (`launcher.report.sweep.job_entry`). Returns the dict written (with its
     provenance, verdict and job)."""
     os.makedirs(output_dir, exist_ok=True)
-    result = {**provenance(), **result, "verdict": verdict(result)}
+    word = verdict(result)
+    result = {**provenance(), **result, "verdict": word, "decision": decision(result, word)}
     if job is not None:
         result["job"] = job
     path = os.path.join(output_dir, "result.json")
@@ -157,6 +164,8 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
             result[key] = shown[key]
     if spec.dp > 1:
         result["groups"] = groups
+    if counts_nothing(result):  # UNCHECKED: a run no check could fail never reads as passed
+        result["passed"] = False
     return result
 
 
@@ -193,22 +202,6 @@ def _integrity_entry(integrity: dict | None, primary: str) -> dict:
     return entry
 
 
-def integrity_failures(result: dict) -> list[dict]:
-    """The failing integrity checks of a run (against every reference; of every TP group, each
-    named by its `group`, when there are several)."""
-    def failing(entry: dict) -> list[dict]:
-        return [c for c in entry.get("checks", []) + entry.get("recomputed_checks", []) if not c["passed"]]
-
-    if "groups" in result:
-        return [{**c, "group": g["group"]} for g in result["groups"] for c in failing(g.get("integrity") or {})]
-    return failing(result.get("integrity") or {})
-
-
-def check_name(check: dict) -> str:
-    """`kv_cache written_rows`, `group 1 kv_cache written_rows` in a launch of several groups."""
-    return ("" if check.get("group") is None else f"group {check['group']} ") + f"{check['tensor']} {check['check']}"
-
-
 def integrity_verdict(result: dict) -> str:
     """`integrity: off`, `integrity: PASS` or `integrity: FAIL (kv_cache written_rows: 2 unwritten row(s) ...)`."""
     if not result["integrity"]["enabled"]:
@@ -221,7 +214,9 @@ def integrity_verdict(result: dict) -> str:
 
 def verdict_pair(result: dict) -> str:
     """The reference verdict beside the integrity one: `reference verdict: PASS, integrity: FAIL (...)`."""
-    return f"reference verdict: {'PASS' if result['reference_passed'] else 'FAIL'}, {integrity_verdict(result)}"
+    word = reference_verdict(result)
+    shown = "off (every reference check is diagnostic: none fails the run)" if word == "off" else word
+    return f"reference verdict: {shown}, {integrity_verdict(result)}"
 
 
 # -- results of runs that never reached the ranks ----------------------------------------------

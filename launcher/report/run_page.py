@@ -20,7 +20,6 @@ import re
 import sys
 
 from launcher.config.rank_stages import RANK_STAGES
-from launcher.config.tolerance import fails_the_run
 from launcher.report import plots, svg
 from launcher.report.console import (
     case_items, comparator_text, fmt, group_text, reference_line, starts_text, where_lines,
@@ -40,7 +39,8 @@ from launcher.report.page import (
     table,
     write,
 )
-from launcher.report.result import verdict, write_result
+from launcher.report.result import verdict, verdict_pair, write_result
+from launcher.report.verdict import check_names, compared, decision, line as verdict_line
 
 PAGE = "report.html"
 
@@ -119,20 +119,13 @@ def _header(result: dict, word: str, output_dir: str | None) -> Raw:
         if output_dir is not None and os.path.isfile(os.path.join(output_dir, os.pardir, "sweep.json")):
             sweep = f" · {link('../report.html', 'the sweep')}"  # the job folder sits in the sweep folder
         parts.append(f'<div class="case">sweep job {esc(job.get("num"))}: <code>{esc(overrides)}</code>{sweep}</div>')
-    if result.get("status") == "ok" and result.get("verdicts"):
-        failed = sorted({v["tensor"] for v in _all_verdicts(result) if fails_the_run(v)})
-        groups = [str(g["group"]) for g in result.get("groups", []) if not g["passed"]]
-        where = f" in group{'s' if len(groups) > 1 else ''} {', '.join(groups)}" if groups else ""
-        what = f"failed: {', '.join(failed)}{where}" if failed else f"{len(_all_verdicts(result))} tensors compared, all passed"
-        diagnostic = sorted({v["tensor"] for v in _all_verdicts(result) if v.get("diagnostic") and not v["passed"]})
-        if diagnostic:
-            what += f" (diagnostic, not counted: {', '.join(diagnostic)} FAIL)"
-        parts.append(f'<p id="summary">{esc(what)}</p>')
+    if compared(result):
+        # The console's VERDICT line: which check decided, the other verdict beside it, what was loosened.
+        d = result.get("decision") or decision(result, word)
+        parts.append(f'<p id="summary">{esc(verdict_line(d))}</p>')
+        if "integrity" in result:
+            parts.append(f'<p id="verdict-pair">{esc(verdict_pair(result))}</p>')
     return Raw("\n".join(parts))
-
-
-def _all_verdicts(result: dict) -> list[dict]:
-    return result.get("verdicts", []) + result.get("recomputed_verdicts", [])
 
 
 def _error(result: dict) -> Raw:
@@ -172,44 +165,56 @@ def _group(result: dict, group: dict | None, output_dir: str | None) -> list[str
     """The verdicts of the run (group None), or of one of its TP or EP groups (dp > 1: each group's
     own tables and grids, its ranks named in the group and in the world)."""
     if group is None:
-        out = _verdicts(result.get("verdicts", []), "verdicts", output_dir, result, "", "")
+        out = _verdicts(result.get("verdicts", []), "verdicts", output_dir, result, "", "", integrity=result.get("integrity"))
         if "recomputed_verdicts" in result:
             out += _verdicts(result["recomputed_verdicts"], "against the golden recomputed from the snapshot's in/",
                              output_dir, result, "recomputed_", "recomputed_")
-        return out
+        return out + _integrity(result.get("integrity"), "integrity", "")
     n, ranks = group["group"], group["ranks"]
     # The PNGs of report.plots=true are those of the top level: the first group that failed.
     png = "" if group["verdicts"] == result.get("verdicts") else None
     heading = (f"group {n} (global ranks {ranks[0]}-{ranks[-1]}, seed {group['seed']}): "
                f"{'PASS' if group['passed'] else 'FAIL'}")
-    out = _verdicts(group["verdicts"], heading, output_dir, result, f"group{n}_", png, ranks)
+    out = _verdicts(group["verdicts"], heading, output_dir, result, f"group{n}_", png, ranks, group.get("integrity"))
     if "recomputed_verdicts" in group:
         out += _verdicts(group["recomputed_verdicts"], f"group {n} against the golden recomputed from the snapshot's in/",
                          output_dir, result, f"group{n}_recomputed_", None if png is None else "recomputed_", ranks)
-    return out
+    return out + _integrity(group.get("integrity"), f"group {n} integrity", f"group{n}_")
 
 
 def _verdicts(verdicts: list[dict], heading: str, output_dir: str | None, result: dict, tag: str, png: str | None,
-              global_ranks: list[int] | None = None) -> list[str]:
+              global_ranks: list[int] | None = None, integrity: dict | None = None) -> list[str]:
     """A table of verdicts and each failing one's account and grids. `tag` keeps the anchors of
     the page apart; `png`: the tag of the report.plots=true PNGs these grids were written as (None:
-    none were); `global_ranks`: a group's ranks in the world."""
+    none were); `global_ranks`: a group's ranks in the world; `integrity`: the integrity entry
+    beside these verdicts, each tensor's integrity verdict shown in its row."""
+    failing = {}  # tensor -> its failing integrity checks
+    for c in (integrity or {}).get("checks", []) + (integrity or {}).get("recomputed_checks", []):
+        failing.setdefault(c["tensor"], set())
+        if not c["passed"]:
+            failing[c["tensor"]].add(c["check"])
     rows, attrs = [], []
     for v in verdicts:
         f = v.get("figures", {})
         word = "PASS" if v["passed"] else "FAIL"
         name = v["tensor"] if v["passed"] else link(f"#{_anchor(tag, v['tensor'])}", v["tensor"])
-        rows.append([name, "all", badge(word, big=False), _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")),
+        broken = failing.get(v["tensor"])
+        held = ("-" if broken is None else "ok" if not broken
+                else Raw(f'{badge("FAIL", big=False)} '
+                         f'{link("#" + _anchor(tag + "integrity_", v["tensor"] + "-" + min(broken)), ", ".join(sorted(broken)))}'))
+        rows.append([name, "all", Raw(badge(word, big=False) + (" (diagnostic)" if v.get("diagnostic") else "")), held,
+                     _bad(f), fmt(f.get("max_abs_diff")), fmt(f.get("worst")),
                      Raw(f'<span class="label">{esc(comparator_text(v))}</span>')])
-        attrs.append(f'class="tensor" data-tensor="{esc(v["tensor"])}" data-verdict="{word}"')
+        attrs.append(f'class="tensor" data-tensor="{esc(v["tensor"])}" data-verdict="{word}" '
+                     f'data-integrity="{"-" if broken is None else "FAIL" if broken else "PASS"}"')
         for pr in v.get("per_rank", []):
             rank = pr["rank"] if global_ranks is None else f"{pr['rank']} (global {global_ranks[pr['rank']]})"
-            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", _bad(pr), fmt(pr.get("max_abs_diff")),
+            rows.append(["", rank, "ok" if not pr.get("n_bad") else "bad", "", _bad(pr), fmt(pr.get("max_abs_diff")),
                          fmt(pr.get("worst")), ""])
             attrs.append('class="sub"')
     out = [f"<h2>{esc(heading)}</h2>",
-           table(["tensor", "rank", "verdict", "bad/numel", "max|diff|", "worst", "comparator"], rows,
-                 row_attrs=attrs, numeric=(3, 4, 5), attrs=f'id="{tag or "primary"}-verdicts"')]
+           table(["tensor", "rank", "reference", "integrity", "bad/numel", "max|diff|", "worst", "comparator"], rows,
+                 row_attrs=attrs, numeric=(4, 5, 6), attrs=f'id="{tag or "primary"}-verdicts"')]
     for v in verdicts:
         if not v["passed"]:
             out += _failing(v, output_dir, result, tag, png)
@@ -239,6 +244,40 @@ def _failing(v: dict, output_dir: str | None, result: dict, tag: str, png: str |
         text = "\n".join(where_lines(v))
         opened = "" if plots.available() else " open"
         out.append(f"<details{opened}><summary>where the bad points are, as text</summary>{pre(text)}</details>")
+    return out
+
+
+def _integrity(entry: dict | None, heading: str, tag: str) -> list[str]:
+    """The integrity checks beside the reference verdicts: their verdict, a table of tensors x
+    checks (whatever checks the run recorded), each failing check's account."""
+    if entry is None:
+        return []
+    out = [f'<h2 id="{tag}integrity">{esc(heading)}</h2>']
+    if not entry.get("enabled"):
+        return out + [note("integrity=false: the integrity checks did not run; the reference comparators alone "
+                           "decide, and the verdict names this as loosened.")]
+    against = [(c, "") for c in entry.get("checks", [])]
+    against += [(c, " (against the golden recomputed from in/)") for c in entry.get("recomputed_checks", [])]
+    if not against:
+        return out + ["<p>No integrity check applies here: a focused scope's stage checks allow no bad point.</p>"]
+    word = "PASS" if all(c["passed"] for c, _ in against) else "FAIL"
+    out.append(f'<p id="{tag}integrity-verdict">{badge(word, big=False)} integrity: {len(against)} checks, '
+               f"{sum(not c['passed'] for c, _ in against)} failed</p>")
+    names = check_names([c for c, _ in against])
+    cells: dict[str, dict[str, Raw | str]] = {}
+    for c, where in against:
+        f = c.get("figures") or {}
+        cell = f"{f.get('n_bad', '?')}/{f.get('numel', '?')}{where and ' (recomputed)'}"
+        if not c["passed"]:
+            cell = Raw(f'{badge("FAIL", big=False)} {link("#" + _anchor(tag + "integrity_", c["tensor"] + "-" + c["check"]), cell)}')
+        cells.setdefault(c["tensor"], {})[c["check"]] = cell
+    rows = [[t, *(got.get(n, "-") for n in names)] for t, got in cells.items()]
+    out.append(table(["tensor", *names], rows, attrs=f'id="{tag}integrity-table"'))
+    for c, where in against:
+        if not c["passed"]:
+            out += [f'<h3 id="{_anchor(tag + "integrity_", c["tensor"] + "-" + c["check"])}">{badge("FAIL", big=False)} '
+                    f'{esc(c["tensor"])} integrity {esc(c["check"])}{esc(where)}</h3>',
+                    f"<p>{esc(c.get('summary'))}</p>", pre(c.get("detail") or "")]
     return out
 
 

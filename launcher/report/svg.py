@@ -150,13 +150,21 @@ def diff_range(diffs: Sequence[Sequence[float | None]]) -> tuple[float, float]:
     return lo, hi
 
 
+# The fixed colour scale of a map of max |diff| / tolerance: the tolerance itself (1) mid-scale, so
+# that one figure reads alike on every page, whatever else the sweep holds.
+BAND_SCALE = (1e-3, 1e3)
+
+
 def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence[Sequence[float | None]],
-              failed: Sequence[Sequence[bool]]) -> str:
+              failed: Sequence[Sequence[bool]], scale: tuple[float, float] | None = None,
+              what: str = "max |diff|") -> str:
     """Jobs (rows) x tensors (columns): each compared tensor's max |diff| on a log colour
     scale; pale green where it was bitwise equal, grey where the job compared no such tensor
-    (or compared nothing: an error); a cross on each failing tensor; a colour bar beside."""
+    (or compared nothing: an error); a cross on each failing tensor; a colour bar beside.
+    `scale`: the colour scale's ends (default: the figures' own range, `diff_range`); `what`:
+    what the figures are (`max |diff| / tolerance` with BAND_SCALE)."""
     n_jobs, n_tensors = len(job_labels), len(tensors)
-    lo, hi = diff_range(diffs)
+    lo, hi = scale or diff_range(diffs)
     row = max(8.0, min(22.0, 3600.0 / max(n_jobs, 1)))
     shown = tick_positions(n_jobs, 80)
     label_size = 11 if row >= 12 else 8
@@ -168,9 +176,9 @@ def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence
     grid_w, grid_h = col * n_tensors, row * n_jobs
     names_h = widest * 0.5 + 20 if slanted else 22
     bar_x, bar_h = left + grid_w + 22, min(max(grid_h, 80.0), 260.0)
-    legend = "\u2716 failed; green: bitwise equal; grey: not compared"
+    legend = "\u2716 failed (reference or integrity); green: bitwise equal; grey: not compared"
     width = max(bar_x + 78, text_width(legend, 12) + 40)
-    parts = [text(width / 2, 18, "max |diff| per job and tensor", 13, "middle"), text(width / 2, 36, legend, 12, "middle")]
+    parts = [text(width / 2, 18, f"{what} per job and tensor", 13, "middle"), text(width / 2, 36, legend, 12, "middle")]
     for j, label in enumerate(job_labels):
         y = top + j * row
         for t, tensor in enumerate(tensors):
@@ -180,7 +188,7 @@ def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence
             elif d == 0:
                 fill, tip = BITWISE, "bitwise equal"
             else:
-                fill, tip = diff_colour(d, lo, hi), f"max |diff| {d:.3g}"
+                fill, tip = diff_colour(d, lo, hi), f"{what} {d:.3g}"
             bad = failed[j][t]
             parts.append(rect(left + t * col, y, col, row, fill, f"{label}, {tensor}: {tip}{', FAILED' if bad else ''}",
                               stroke="#ffffff", data_job=j, data_tensor=tensor, data_failed=str(bad).lower()))
@@ -204,7 +212,7 @@ def sweep_map(job_labels: Sequence[str], tensors: Sequence[str], diffs: Sequence
     for k in decades[::max(1, math.ceil(len(decades) / 8))]:
         y = top + bar_h * (1 - (k - math.log10(lo)) / (math.log10(hi) - math.log10(lo)))
         parts += [line(bar_x + 14, y, bar_x + 18, y, INK), text(bar_x + 21, y + 4, f"1e{k}", 11)]
-    parts.append(text(bar_x + 64, top + bar_h / 2, "max |diff|", 12, "middle",
+    parts.append(text(bar_x + 64, top + bar_h / 2, "max |diff|" if scale is None else "x tolerance", 12, "middle",
                       transform=f"rotate(-90 {bar_x + 64:.2f} {top + bar_h / 2:.2f})"))
     defs = f'<linearGradient id="diff-scale" x1="0" y1="1" x2="0" y2="0">{stops}</linearGradient>'
     return document(width, top + max(grid_h + names_h + 28, bar_h + 12), parts, defs)

@@ -10,7 +10,8 @@ each job starts and ends, and at the end of the multirun writes, into the sweep 
 * `junit.xml`: one testsuite, one testcase per job, named by its case (never its job number, so
   that CI history follows a case through a reordered sweep); a FAIL carries the comparators' and
   the failing integrity checks' messages as `<failure>`, a crashed or refused job an `<error>`, a
-  fail_fast skip `<skipped>`;
+  fail_fast skip and an UNCHECKED job (nothing judged) `<skipped>`; every compared job's VERDICT
+  line (`launcher.report.verdict.line`) and each loosened check as properties;
 * `report.html`: the same jobs as a page, each linking to its own (`launcher.report.sweep_page`);
 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
@@ -46,7 +47,9 @@ from launcher.config.slurm import node_output_dir
 from launcher.config.spec import golden_cache_of
 from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
-from launcher.report.console import case_columns, comparator_text, fmt, starts_text, table_lines
+from launcher.report.console import (
+    case_columns, comparator_text, fmt, starts_text, table_lines, varied_columns, varying_keys,
+)
 from launcher.report.result import (
     EXIT_ERROR,
     EXIT_FAIL,
@@ -59,6 +62,7 @@ from launcher.report.result import (
     verdict_pair,
 )
 from launcher.report.sweep_page import write_sweep_page
+from launcher.report.verdict import account, decision, line as verdict_line
 from launcher.store import cache_dir
 
 SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skipped": "SKIP", "unchecked": "UNCHECKED"}
@@ -91,7 +95,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
                    message="the job wrote no result.json (it was killed, lost or never started)")
         return row
     case = result["case"]
-    row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed")})
+    row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed", "impl")})
     row.update({k: case[k] for k in MOE_KEYS if k in case})
     row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
@@ -120,6 +124,8 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         row["integrity_failed"] = [check_name(c) for c in broken]
     row["verdict"] = verdict(result)
     row["exit_code"] = EXIT_CODES[row["verdict"]]
+    row["decision"] = decision(result, row["verdict"])
+    row["loosened"] = row["decision"].get("loosened", [])
     if result.get("bench"):
         row["bench_median_s"] = result["bench"]["median_s"]
     if result["status"] != "ok":
@@ -133,6 +139,8 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         messages = [f"{v['tensor']} FAIL ({comparator_text(v)})" for v in failed]
         if broken:  # the integrity verdict beside the reference one, when it decides
             messages.append(integrity_verdict(result) if failed else verdict_pair(result))
+        if row["verdict"] == "UNCHECKED" or row["loosened"]:  # the verdict line's own words
+            messages.append(account(row["decision"]))
         row["message"] = "; ".join(messages)
         row["details"] = [f"{v['tensor']} FAIL ({comparator_text(v)})\n{v['detail']}" for v in failed]
         row["details"] += [f"{check_name(c)} integrity FAIL\n{c['detail']}" for c in broken]
@@ -141,7 +149,7 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
 
 def table(rows: list[dict]) -> list[str]:
     """The summary table: one line per job, then one line per job that did not pass."""
-    keys = case_columns(rows)
+    keys = case_columns(rows) + varied_columns(rows)
     head = ["job", "layer", "scope", "model", *keys, "verdict", "integrity", "tensor", "max|diff|", "bad", "wall_s"]
     benched = any(r.get("bench_median_s") is not None for r in rows)
     cells = [head + ["bench_ms"] if benched else head]
@@ -155,7 +163,7 @@ def table(rows: list[dict]) -> list[str]:
             cells[-1].append(fmt(median * 1e3) if median is not None else "-")
     lines = table_lines(cells)
     for r in rows:
-        if r["verdict"] not in ("PASS", "UNCHECKED"):
+        if r["verdict"] != "PASS" or r.get("loosened"):
             lines.append(f"job {r['job']} {r['verdict']}: {r['message']}  ({r['output_dir']})")
     return lines
 
@@ -186,10 +194,10 @@ def case_name(row: dict) -> str:
 
 
 def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTree:
-    counts = {k: sum(r["verdict"] == k for r in rows) for k in ("FAIL", "ERROR", "SKIP")}
+    counts = {k: sum(r["verdict"] == k for r in rows) for k in ("FAIL", "ERROR", "SKIP", "UNCHECKED")}
     total_s = sum(r.get("wall_s") or 0.0 for r in rows)
     attrs = {"name": suite, "tests": str(len(rows)), "failures": str(counts["FAIL"]), "errors": str(counts["ERROR"]),
-             "skipped": str(counts["SKIP"]), "time": f"{total_s:.3f}"}
+             "skipped": str(counts["SKIP"] + counts["UNCHECKED"]), "time": f"{total_s:.3f}"}
     root = ET.Element("testsuites", attrs)
     ts = ET.SubElement(root, "testsuite", attrs)
     seen: dict[str, int] = {}
@@ -211,6 +219,10 @@ def junit_tree(rows: list[dict], suite: str = "dsv4-tp-harness") -> ET.ElementTr
             el.text = _xml_text(r.get("traceback") or r["message"])
         elif r["verdict"] == "SKIP":
             ET.SubElement(tc, "skipped", {"message": _xml_text(r["message"])})
+        elif r["verdict"] == "UNCHECKED":  # nothing was judged: never a passed testcase
+            d = r.get("decision") or {"verdict": "UNCHECKED"}
+            why = verdict_line(d) if "reference" in d else "UNCHECKED: golden=false, a performance run: nothing was compared"
+            ET.SubElement(tc, "skipped", {"message": _xml_text(why)})
         if r.get("bench_median_s") is not None:
             props = ET.SubElement(tc, "properties")
             ET.SubElement(props, "property", {"name": "bench_median_s", "value": repr(r["bench_median_s"])})
@@ -226,6 +238,10 @@ def _check_properties(testcase: ET.Element, row: dict) -> None:
     if not row.get("checks"):
         return
     props = ET.SubElement(testcase, "properties")
+    if row.get("decision"):  # the VERDICT line: which check decided, what was loosened
+        ET.SubElement(props, "property", {"name": "verdict", "value": _xml_text(verdict_line(row["decision"]))})
+    for item in row.get("loosened") or []:
+        ET.SubElement(props, "property", {"name": "loosened", "value": _xml_text(item)})
     ET.SubElement(props, "property", {"name": "tolerance_profile", "value": str(row.get("tolerance_profile"))})
     for c in row["checks"]:
         value = comparator_text({"label": c["comparator"], "overridden": c["overridden"]})
@@ -301,18 +317,19 @@ def collect_rows(sweep_dir: str, interrupted: bool = False,
     record = read_record(sweep_dir) or {}
     found = _results(sweep_dir, record.get("id"))
     planned = record.get("jobs")
-    numbers = range(len(planned)) if planned is not None else sorted(found)
+    # A rerun's jobs keep the numbers they had in the sweep it reruns (`launcher.sweep.rerun`).
+    numbers = record.get("numbers") or (range(len(planned)) if planned is not None else sorted(found))
     rows = []
-    for num in numbers:
+    for i, num in enumerate(numbers):
         folder, result = found.get(num, (None, None))
         if result is None and interrupted:
-            rows.append({"job": num, "overrides": planned[num], "output_dir": "-", "status": "skipped",
+            rows.append({"job": num, "overrides": planned[i], "output_dir": "-", "status": "skipped",
                          "verdict": "SKIP", "exit_code": EXIT_CODES["SKIP"], "passed": False, "wall_s": None, "failed_tensors": [], "tensor": None,
                          "message": "not run: the sweep was interrupted"})
             continue
         if result is not None and check is not None:
             check(os.path.join(folder, "result.json"), result)
-        overrides = result["job"]["overrides"] if result else planned[num]
+        overrides = result["job"]["overrides"] if result else planned[i]
         rows.append(job_row(num, overrides, folder or "-", result))
     return rows
 
@@ -327,6 +344,8 @@ def write_summary(sweep_dir: str, interrupted: bool = False) -> int:
     _write_json(os.path.join(sweep_dir, "summary.json"), summary)
     junit_tree(rows).write(os.path.join(sweep_dir, "junit.xml"), encoding="utf-8", xml_declaration=True)
     page = write_sweep_page(sweep_dir, summary)
+    varied = varying_keys(rows)
+    print(f"sweep varies: {', '.join(varied) if varied else 'nothing'}")
     print("\n".join(table(rows)))
     unchecked = f", {counts['unchecked']} unchecked" if counts["unchecked"] else ""
     print(f"sweep: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors{unchecked}, "
@@ -343,7 +362,7 @@ def exit_status(rows: list[dict]) -> int:
 def earlier_job_failed(sweep_dir: str, num: int) -> bool:
     """Whether a job of this sweep numbered below `num` finished without passing (fail_fast)."""
     record = read_record(sweep_dir) or {}
-    return any(n < num and not r["passed"] and r["status"] != "skipped"
+    return any(n < num and verdict(r) in ("FAIL", "ERROR")
                for n, (_, r) in _results(sweep_dir, record.get("id")).items())
 
 
@@ -409,7 +428,7 @@ class SweepSummary(Callback):
         row = job_row(int(config.hydra.job.num), list(config.hydra.overrides.task), output_dir, result)
         sweep.done += 1
         sweep.failed += row["verdict"] != "PASS"
-        what = f" {row['message']}" if row["verdict"] != "PASS" and row.get("message") else ""
+        what = f" {row['message']}" if row.get("message") else ""  # a loosened PASS says so too
         progress.DISPLAY.line(f"{sweep.prefix()}{row['verdict']}{what} ({fmt(row.get('wall_s'))}s); "
                               f"{sweep.done}/{sweep.total or '?'} done, {sweep.failed} not passed")
         sweep.current = None

@@ -16,7 +16,9 @@ import os
 import sys
 
 from launcher.report import svg
-from launcher.report.console import case_columns, fmt, starts_text
+from launcher.config.tolerance import fails_the_run
+from launcher.report.console import case_columns, fmt, starts_text, varied_columns, varying_keys
+from launcher.report.verdict import integrity_failures
 from launcher.report.page import Raw, badge, document, esc, link, relative, svg_figure, table, write
 from launcher.report.run_page import PAGE
 
@@ -73,7 +75,8 @@ def render(summary: dict, sweep_dir: str) -> str:
         kinds.append(("unchecked", "UNCHECKED"))
     counts = "".join(f"<span>{badge(v, big=False)} {summary.get(k, 0)} {k}</span>" for k, v in kinds)
     body = [f"<h1>{badge(word)}<span>sweep {esc(name)}</span></h1>",
-            f'<div class="case">{esc(os.path.abspath(sweep_dir))} · {summary["n_jobs"]} jobs</div>',
+            f'<div class="case">{esc(os.path.abspath(sweep_dir))} · {summary["n_jobs"]} jobs · '
+            f'varies: <code id="varies">{esc(", ".join(varying_keys(rows)) or "nothing")}</code></div>',
             f'<p class="counts" id="counts">{counts}</p>']
     if summary.get("interrupted"):
         body.append('<div class="note">The sweep was interrupted: the jobs it never ran are skips.</div>')
@@ -91,7 +94,7 @@ NUMERIC = ("tp", "ep", "dp", "local_t", "layer_id", "num_tokens")
 def _filter_keys(rows: list[dict]) -> list[str]:
     """What the table filters by: layer, scope, model, the case keys the table shows (but
     local_t and start_pos: a sweep's many values), verdict."""
-    case = [k for k in case_columns(rows) if k not in ("local_t", "start_pos")]
+    case = [k for k in case_columns(rows) + varied_columns(rows) if k not in ("local_t", "start_pos")]
     return ["layer", "scope", "model", *case, "verdict"]
 
 
@@ -124,7 +127,7 @@ def _jobs_table(rows: list[dict], sweep_dir: str) -> Raw:
     # (header, cell, right-aligned): the case keys of the layers swept, the median round of a benchmark
     columns = [("job", job_link, False),
                *((k, lambda r, k=k: case_value(r, k), k in NUMERIC)
-                 for k in ("layer", "scope", "model", *case_columns(rows))),
+                 for k in ("layer", "scope", "model", *case_columns(rows), *varied_columns(rows))),
                ("verdict", lambda r: badge(r["verdict"], big=False), False),
                ("tensor", lambda r: fmt(r.get("tensor")), False),
                ("max|diff|", lambda r: fmt(r.get("max_abs_diff")), True),
@@ -149,6 +152,20 @@ def _job_results(rows: list[dict]) -> list[dict | None]:
     return results
 
 
+def in_bands(v: dict) -> float | None:
+    """A verdict's max |diff| over its check's own tolerance: a pool's or allclose check's
+    tolerance at that point (`tol_at_max`), x_out's diff_thd (its band is diff_thd x max(1, |e|):
+    this is the larger ratio); a check with no tolerance (bitwise) is 0 or inf. None: no figure."""
+    f = v.get("figures") or {}
+    d = f.get("max_abs_diff")
+    if d is None:
+        return None
+    band = f.get("tol_at_max") or f.get("diff_thd") or f.get("atol")
+    if not band:
+        return 0.0 if d == 0 else float("inf")
+    return d / band
+
+
 def _map(rows: list[dict]) -> list[str]:
     """Jobs x tensors: each compared tensor's max |diff| (a figure, and the same as a table)."""
     results = _job_results(rows)
@@ -159,13 +176,17 @@ def _map(rows: list[dict]) -> list[str]:
                 tensors.append(v["tensor"])
     if not tensors:
         return []
-    diffs, failed = [], []
+    diffs, bands, failed = [], [], []
     for res in results:
         by_name = {v["tensor"]: v for v in (res or {}).get("verdicts", [])}
         diffs.append([by_name[t].get("figures", {}).get("max_abs_diff") if t in by_name else None for t in tensors])
-        failed.append([t in by_name and not by_name[t]["passed"] for t in tensors])
+        bands.append([in_bands(by_name[t]) if t in by_name else None for t in tensors])
+        # A cross where the tensor decided a FAIL: its reference check or one of its integrity checks.
+        broken = {c["tensor"] for c in integrity_failures(res)} if res and res.get("status") == "ok" else set()
+        failed.append([t in broken or (t in by_name and fails_the_run(by_name[t])) for t in tensors])
     # A job is named by its group size and by each other case key the sweep varies.
     keys = [k for k in case_columns(rows) if k in ("tp", "ep") or len({_value(r, k) for r in rows}) > 1]
+    keys += varied_columns(rows)
     labels = [" ".join(x for x in (f"{r['job']}", _value(r, "layer"),
                                    "" if r.get("scope") in (None, "full") else r["scope"], _value(r, "model"),
                                    *(f"{k}={starts_text(r[k]) if k == 'start_pos' else r[k]}" for k in keys
@@ -175,8 +196,10 @@ def _map(rows: list[dict]) -> list[str]:
     text_rows = [[label, *("-" if d is None else (f"{fmt(d)} FAIL" if f else fmt(d)) for d, f in zip(ds, fs))]
                  for label, ds, fs in zip(labels, diffs, failed)]
     return ["<h2>worst errors: jobs x tensors</h2>",
-            svg_figure(lambda: svg.sweep_map(labels, tensors, diffs, failed), "jobs x tensors map of max |diff|",
-                       "each compared tensor's max |diff| per job"),
+            svg_figure(lambda: svg.sweep_map(labels, tensors, bands, failed, svg.BAND_SCALE, "max |diff| / tolerance"),
+                       "jobs x tensors map of max |diff| in tolerances",
+                       "each compared tensor's max |diff| over its own check's tolerance, per job: 1 is the "
+                       "tolerance, on the same scale on every page"),
             "<details><summary>the same, as a table</summary>"
             + table(["job", *tensors], text_rows, numeric=range(1, len(tensors) + 1), attrs='id="map"')
             + "</details>"]

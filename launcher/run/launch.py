@@ -30,7 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.run import devices, forkserver, rank_group, watchdog
+from launcher.run import devices, forkserver, rank_group, tee, watchdog
 from launcher.run.worker import progress_path, rank_main
 
 log = logging.getLogger("launcher.run.launch")
@@ -100,7 +100,8 @@ def _launch_config(spec: RunSpec, log_root: str, run_id: str) -> LaunchConfig:
         max_restarts=0,
         monitor_interval=0.05,
         start_method=spec.start_method,
-        logs_specs=DefaultLogsSpecs(log_dir=log_root, redirects=Std.ALL, tee={0: Std.ALL}),
+        # torch's own tee copies every line: rank 0's logs reach the console only under -v (launcher.run.tee).
+        logs_specs=DefaultLogsSpecs(log_dir=log_root, redirects=Std.ALL, tee={0: Std.ALL} if tee.log_records_shown() else {}),
     )
 
 
@@ -128,7 +129,9 @@ def _stderr_tail(log_dir: str | None, lines: int = 30) -> str:
     marker = text.rfind("Timeout (")  # faulthandler.dump_traceback_later's header
     if marker >= 0:
         return DEADLINE_NOTE + "\n" + "\n".join(text[marker:].splitlines()[:lines])
-    return "\n".join(text.splitlines()[-lines:])
+    # The rank's INFO records (its stages starting and ending) are no traceback: the failure's
+    # stage names where it stopped, the log file holds them.
+    return "\n".join([ln for ln in text.splitlines() if not tee.quiet_record(ln)][-lines:])
 
 
 DEADLINE_NOTE = "the rank outlived its deadline (2 x timeout_s) and dumped its stacks:"

@@ -6,14 +6,47 @@ exist yet is looked for again at the next poll. The thread waits for the next po
 event, not in a sleep, so leaving the `with` block copies whatever is left at once instead of
 after up to a poll (torch's `TailLog` sleeps: its stop cost every job of a sweep up to a poll
 per file).
+
+Rank 0's own log records at INFO and below (`HH:MM:SS rank0 INFO stage layer done`) stay in its
+log files: the progress display already says each stage once. `-v` on the command line
+(`show_log_records`) copies them too; warnings, errors and whatever the implementation prints
+always reach the console. On a terminal each copied line first clears the line it lands on:
+the progress display's status line (`launcher.report.progress`) would otherwise show through.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Sequence
 from typing import TextIO
+
+
+# A rank's log record at INFO or DEBUG, as `launcher.run.worker` formats them.
+_QUIET_RECORD = re.compile(r"^\d\d:\d\d:\d\d rank\d+ (INFO|DEBUG) ")
+_CLEAR_LINE = "\r\x1b[2K"
+_show_records = False
+
+
+def show_log_records(show: bool = True) -> None:
+    """Copy the ranks' INFO records to the console too (`python -m launcher -v`)."""
+    global _show_records
+    _show_records = show
+
+
+def log_records_shown() -> bool:
+    return _show_records
+
+
+def quiet_record(line: str) -> bool:
+    """A rank's own log record at INFO or DEBUG."""
+    return _QUIET_RECORD.match(line) is not None
+
+
+def shown(line: str) -> bool:
+    """Whether a line of rank 0's logs reaches the console (see the module)."""
+    return _show_records or not quiet_record(line)
 
 
 class Tee:
@@ -49,8 +82,11 @@ class Tee:
                     *lines, partial[path] = (partial[path] + opened[path].read()).split("\n")
                     if last and partial[path]:
                         lines.append(partial[path])
+                    lines = [line for line in lines if shown(line)]
                     if lines:
-                        stream.write("".join(f"{self._prefix}{line}\n" for line in lines))
+                        isatty = getattr(stream, "isatty", None)
+                        clear = _CLEAR_LINE if isatty is not None and isatty() else ""
+                        stream.write(clear + "".join(f"{self._prefix}{line}\n" for line in lines))
                         stream.flush()
                 if last:
                     return
@@ -60,4 +96,4 @@ class Tee:
                 f.close()
 
 
-__all__ = ["Tee"]
+__all__ = ["Tee", "show_log_records", "log_records_shown", "shown", "quiet_record"]

@@ -443,7 +443,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     # 0's verdict code: the reference verdicts and the integrity checks beside them.
     passed = _verdict_of_rank0(_passed(comparisons, integrity) if comparisons is not None else None, world, device)
     located = None
-    if spec.bisect and not passed:
+    if spec.bisect and passed is False:
         with timer.stage("bisect"):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
             fresh = (snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs) if spec.golden_data
@@ -485,11 +485,14 @@ def _verdict_of_rank0(verdict: bool | None, world: int, device) -> bool | None:
     return None if code.item() < 0 else bool(code.item())
 
 
-def _passed(comparisons: list[dict], integrity: list[dict | None]) -> bool:
-    """No reference check fails the run (a diagnostic one never does), no integrity check fails."""
+def _passed(comparisons: list[dict], integrity: list[dict | None]) -> bool | None:
+    """No reference check fails the run (a diagnostic one never does), no integrity check fails;
+    None where no check counts (every one diagnostic, no integrity check): UNCHECKED on every node."""
     checks = [c for by_ref in integrity if by_ref is not None for cs in by_ref.values() for c in cs]
-    return (not any(fails_the_run(v) for by_ref in comparisons for vs in by_ref.values() for v in vs)
-            and all(c["passed"] for c in checks))
+    verdicts = [v for by_ref in comparisons for vs in by_ref.values() for v in vs]
+    if not checks and all(v.get("diagnostic") for v in verdicts):
+        return None
+    return not any(fails_the_run(v) for v in verdicts) and all(c["passed"] for c in checks)
 
 
 @functools.cache

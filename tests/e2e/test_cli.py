@@ -101,6 +101,8 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path, args, message):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
     assert message in lines[0]
+    if (tmp_path / "out" / "result.json").is_file():  # refused by the preflight: the run's files are named
+        assert p.stdout.splitlines()[-1].startswith(f"run folder: {tmp_path / 'out'}; page: "), p.stdout
     assert not (tmp_path / "out" / "logs").exists()  # nothing was launched
 
 

@@ -107,6 +107,7 @@ def test_external_torchrun_runs_the_same_worker(tmp_path):
     ok = subprocess.run(base, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "VERDICT: PASS" in ok.stdout, ok.stdout + ok.stderr
     assert (tmp_path / "out" / "result.json").is_file()
+    assert f"run folder: {tmp_path / 'out'}; page: {tmp_path / 'out' / 'report.html'}" in ok.stdout, ok.stdout
     bad = subprocess.run(base + ["impl=tests.defects.ReduceScatterWithoutSum"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "VERDICT: FAIL" in bad.stdout, bad.stdout + bad.stderr

@@ -54,12 +54,15 @@ def test_a_defect_inside_the_budget_fails_integrity_only(tp_run, model, impl, fa
     else:
         assert set(failed) == {("kv_cache", "cap")} and check["figures"]["n_bad"] == 1
     assert "reference verdict: PASS, integrity: FAIL (kv_cache " in run.report
-    assert "VERDICT: FAIL ['kv_cache']" in run.report
+    (line,) = [ln for ln in run.report.splitlines() if ln.startswith("VERDICT: ")]
+    assert line.startswith("VERDICT: FAIL by integrity (") and f"kv_cache {failing}" in line, line
+    assert "); reference PASS (" in line, line
 
     off = tp_run(layer="swa", tp=2, model=model, impl=impl, overrides=["integrity=false"])
     assert off.exit_code == 0, off
     assert off.result["integrity"] == {"enabled": False, "passed": None, "checks": []}
     assert "reference verdict: PASS, integrity: off" in off.report
+    assert "VERDICT: PASS; loosened: integrity=false (" in off.report
 
 
 def test_flash_dims_a_skipped_write_and_one_absurd_value_fail(tp_run):

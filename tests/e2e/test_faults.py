@@ -59,6 +59,8 @@ def test_process_fault_is_reported_with_rank_and_stage(tp_run, tmp_path, kind, s
     assert message in err["message"], run
     assert err["log_dir"] and err["log_dir"].endswith(os.path.join("attempt_0", "1")), run
     assert os.path.isfile(os.path.join(err["log_dir"], "stderr.log"))
+    # The traceback box holds what went wrong, not the rank's INFO records of its stages.
+    assert " INFO stage " not in err["traceback"], err["traceback"]
     _no_orphans(str(tmp_path))
 
 

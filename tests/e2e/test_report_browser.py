@@ -60,7 +60,7 @@ def _images(matplotlib: int, svg: int = 1) -> int:
 
 
 # The figures the harness writes as SVG, on every page; the others need matplotlib.
-SVG_FIGURES = ("stage times per rank", "jobs x tensors map of max |diff|")
+SVG_FIGURES = ("stage times per rank", "jobs x tensors map of max |diff| in tolerances")
 
 
 def _alts(page: browser.Page, expected: list[str]) -> None:
@@ -72,7 +72,7 @@ def test_a_passing_run_page(tp_run, driver, tmp_path):
     run = tp_run(layer="swa", tp=2, model="tiny")
     assert run.passed, run
     page = _check(driver, Path(run.output_dir) / "report.html", verdict="PASS", min_images=_images(0),
-                  texts=["x_out", "kv_cache", "2 tensors compared, all passed", "stage times per rank", "rank 1"],
+                  texts=["x_out", "kv_cache", "reference verdict: PASS, integrity: PASS", "stage times per rank", "rank 1"],
                   shot=tmp_path / "pass.png")
     _alts(page, ["stage times per rank"])
     # Each rank's logs are linked; a link opens the log itself.
@@ -91,7 +91,7 @@ def test_a_failing_run_page(tp_run, driver, tmp_path):
     run = tp_run(layer="swa", tp=2, model="tiny", impl=defects.PerturbRankTokens)
     assert run.exit_code == 1, run
     page = _check(driver, Path(run.output_dir) / "report.html", verdict="FAIL", min_images=_images(2),
-                  texts=["x_out", "kv_cache", "failed: x_out", "ratio_reldiff fail", "rank x token block"],
+                  texts=["x_out", "kv_cache", "FAIL by reference (x_out)", "ratio_reldiff fail", "rank x token block"],
                   shot=tmp_path / "fail.png")
     _alts(page, ["x_out rank x token block heat map", "x_out rank x hc heat map", "stage times per rank"])
     rows = driver.execute_script(
@@ -103,6 +103,25 @@ def test_a_failing_run_page(tp_run, driver, tmp_path):
     assert browser.console_errors(driver) == []
 
 
+def test_a_page_that_failed_by_integrity_alone(tp_run, driver, tmp_path):
+    """Both reference verdicts pass, the cap fails: the page says FAIL, names the check, and
+    the tensor's row shows its integrity beside its reference verdict."""
+    run = tp_run(layer="swa", tp=2, model="tiny", impl=defects.HugeValueInCache)
+    assert run.exit_code == 1, run
+    _check(driver, Path(run.output_dir) / "report.html", verdict="FAIL", min_images=_images(0),
+           texts=["FAIL by integrity (kv_cache cap); reference PASS", "kv_cache integrity cap", "integrity"],
+           shot=tmp_path / "integrity.png")
+    rows = driver.execute_script("return Array.from(document.querySelectorAll('tr.tensor'))"
+                                 ".map(r => [r.dataset.tensor, r.dataset.verdict, r.dataset.integrity])")
+    assert rows == [["kv_cache", "PASS", "FAIL"], ["x_out", "PASS", "PASS"]]
+    driver.find_element("link text", "cap").click()
+    assert driver.current_url.endswith("#tensor-integrity_kv_cache-cap")
+    # A wide window is filled: the page is no column in the middle of a white screen.
+    driver.set_window_size(2400, 1000)
+    width = driver.execute_script("return [document.querySelector('main').getBoundingClientRect().width, window.innerWidth]")
+    assert width[0] >= 0.9 * width[1], width
+
+
 def test_moe_run_pages(tp_run, driver, tmp_path):
     """The MoE layer's pages: its case by ep, x_next with a row per rank, and for a failing run
     (every route sent to the wrong rank) its rank x token block and rank x hc heat maps."""
@@ -111,9 +130,9 @@ def test_moe_run_pages(tp_run, driver, tmp_path):
     assert (passed.exit_code, failed.exit_code) == (0, 1), (passed, failed)
     case = ["moe full · tiny · ep=2", "layer_id=0", "balanced_routing=False"]
     _check(driver, Path(passed.output_dir) / "report.html", verdict="PASS", min_images=_images(0),
-           texts=[*case, "x_next", "1 tensors compared, all passed", "stage times per rank"], shot=tmp_path / "moe.png")
+           texts=[*case, "x_next", "reference verdict: PASS, integrity: PASS", "stage times per rank"], shot=tmp_path / "moe.png")
     page = _check(driver, Path(failed.output_dir) / "report.html", verdict="FAIL", min_images=_images(2),
-                  texts=[*case, "MoeRoutesToTheWrongRank", "failed: x_next", "ratio_reldiff fail",
+                  texts=[*case, "MoeRoutesToTheWrongRank", "FAIL by reference (x_next)", "ratio_reldiff fail",
                          "rank x token block", "rank x hc"], shot=tmp_path / "moe-fail.png")
     assert "tp=" not in page.text
     _alts(page, ["x_next rank x token block heat map", "x_next rank x hc heat map", "stage times per rank"])
@@ -147,7 +166,7 @@ def test_a_sweep_page_and_its_links(driver, tmp_path):
     assert "summary.json, junit.xml and report.html in" in p.stdout
     page = _check(driver, sweep_dir / "report.html", verdict="FAIL", min_images=_images(0),
                   texts=["1 passed", "1 failed", "0 errors", "x_out", "2 of 2 jobs shown"], shot=tmp_path / "sweep.png")
-    _alts(page, ["jobs x tensors map of max |diff|"])
+    _alts(page, ["jobs x tensors map of max |diff| in tolerances"])
 
     def shown():
         return driver.execute_script(

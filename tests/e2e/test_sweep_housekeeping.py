@@ -41,6 +41,14 @@ def test_rerun_runs_only_the_jobs_that_did_not_pass(tmp_path):
                              "impl=layers.tp.TorchTP,tests.defects.PerturbRankTokens")
     assert [j["verdict"] for j in summary["jobs"]] == ["PASS", "FAIL"]
     sweep_dir = tmp_path / "sweep"
+    # Two jobs of one case that differ in impl alone: the table says which is which, and the
+    # sweep says what it varies.
+    assert "sweep varies: impl" in p.stdout, p.stdout
+    head = next(line for line in p.stdout.splitlines() if line.startswith("job "))
+    assert "impl" in head.split(), p.stdout
+    assert any(line.split()[:1] == ["1"] and "tests.defects.PerturbRankTokens" in line for line in p.stdout.splitlines())
+    # A passing job is one progress row; only the failing one prints its full report.
+    assert p.stdout.count("VERDICT: ") == 1 and "VERDICT: FAIL" in p.stdout, p.stdout
 
     listed = sweep_cli("rerun", sweep_dir, "--list", cwd=tmp_path)
     assert listed.returncode == 0 and listed.stdout.splitlines()[0] == (
@@ -54,6 +62,10 @@ def test_rerun_runs_only_the_jobs_that_did_not_pass(tmp_path):
     assert [(j["verdict"], j["overrides"]) for j in rerun_summary["jobs"]] == [
         ("FAIL", ["layer=swa", "model=tiny", "tp=2", "impl=tests.defects.PerturbRankTokens"])]
     assert (tmp_path / "again" / "junit.xml").is_file()
+    # The rerun keeps the job's number: "rerun of job 1" is job 1 of the rerun's table and page too.
+    assert "rerun of job 1:" in again.stderr and [j["job"] for j in rerun_summary["jobs"]] == [1]
+    assert any(line.split()[:2] == ["1", "swa"] for line in again.stdout.splitlines()), again.stdout
+    assert "job 1 FAIL:" in again.stdout and "job 0" not in again.stdout
 
     # With the fix given as an override (it replaces the job's own impl): it passes.
     fixed = sweep_cli("rerun", sweep_dir, "impl=layers.tp.TorchTP", "--into", tmp_path / "fixed", cwd=tmp_path)
@@ -64,7 +76,7 @@ def test_rerun_runs_only_the_jobs_that_did_not_pass(tmp_path):
 
     # A rerun's folder is a sweep folder: it can be rerun in turn.
     listed = sweep_cli("rerun", tmp_path / "again", "--list", cwd=tmp_path)
-    assert listed.stdout.startswith("job 0 FAIL: layer=swa model=tiny tp=2 impl=tests.defects.PerturbRankTokens")
+    assert listed.stdout.startswith("job 1 FAIL: layer=swa model=tiny tp=2 impl=tests.defects.PerturbRankTokens")
 
     # Into a folder that holds anything (the sweep itself, an earlier rerun): refused, nothing
     # of what it holds rewritten, its passing job's result included.

@@ -44,6 +44,9 @@ def test_a_diagnostic_check_reports_its_failure_and_never_fails_the_run(tp_run, 
     # by its cap; with them off the run reproduces the reference's verdict alone.
     capped = tp_run(golden_data=str(perturbed), overrides=["tolerance.x_out.diagnostic=true"])
     assert capped.exit_code == 1 and "reference verdict: PASS, integrity: FAIL (x_out cap" in capped.report, capped
+    # The verdict line names the check that decided, not the diagnostic one that was not counted.
+    assert ("VERDICT: FAIL by integrity (x_out cap); reference PASS; loosened: x_out diagnostic (FAIL, not counted) ("
+            in capped.report), capped
     run = tp_run(golden_data=str(perturbed), overrides=["tolerance.x_out.diagnostic=true", "integrity=false"])
     assert run.exit_code == 0 and run.result["passed"], run
     x_out = run.verdict("x_out")
@@ -55,7 +58,7 @@ def test_a_diagnostic_check_reports_its_failure_and_never_fails_the_run(tp_run, 
     assert "x_out     all   FAIL (diagnostic)  8192/131072" in run.report
     assert "x_out FAIL, diagnostic: never fails the run (ratio_reldiff(" in run.report
     assert "where: x_out: 8192 bad points per rank and token block" in run.report
-    assert "VERDICT: PASS (diagnostic, not counted: x_out FAIL)" in run.report
+    assert "VERDICT: PASS; loosened: x_out diagnostic (FAIL, not counted), integrity=false (" in run.report
 
 
 def test_a_parameter_override_is_the_comparator_and_is_marked(tp_run):

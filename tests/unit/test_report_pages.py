@@ -87,7 +87,7 @@ def test_a_failing_run_shows_fail_and_its_tensor_never_pass():
     page = render(ok_result(False))
     assert h1_verdict(page) == "FAIL" and 'data-verdict="PASS">PASS</span><span>' not in page
     assert 'data-tensor="x_out" data-verdict="FAIL"' in page and 'data-tensor="kv_cache" data-verdict="PASS"' in page
-    assert "failed: x_out" in page
+    assert "FAIL by reference (x_out)" in page
     assert 'href="#tensor-x_out"' in page and 'id="tensor-x_out"' in page  # the table links to the account
     assert "cmp_x_out fail: error_count=40/256" in page
 
@@ -265,7 +265,7 @@ def test_sweep_page_counts_links_filters_and_maps_the_jobs(tmp_path):
     assert 'data-layer="csa"' in page and 'data-verdict="ERROR"' in page
     map_table = page[page.index('id="map"'):]
     assert "<th>kv_cache</th><th>x_out</th>" in map_table and "0.75 FAIL" in map_table
-    (figure,) = re.findall(r'<img alt="jobs x tensors map of max \|diff\|" src="data:image/svg\+xml;base64,([^"]*)"', page)
+    (figure,) = re.findall(r'<img alt="jobs x tensors map of max \|diff\| in tolerances" src="data:image/svg\+xml;base64,([^"]*)"', page)
     crossed = re.findall(r'data-job="(\d)" data-tensor="(\w+)">\u2716', base64.b64decode(figure).decode())
     assert crossed == [("0", "x_out")]
     # A job page links back to its sweep's page (the job folder sits in the sweep folder).
@@ -278,7 +278,7 @@ def test_several_tp_groups_get_a_table_each_with_global_ranks():
               {"group": 1, "ranks": [2, 3], "seed": 7, "reference": "golden", "passed": False, "verdicts": bad["verdicts"]}]
     page = render({**bad, "case": {**CASE, "dp": 2}, "groups": groups})
     assert h1_verdict(page) == "FAIL" and "tp=2 · dp=2" in page and "dp=<code>2</code>" in page
-    assert "failed: x_out in group 1" in page
+    assert "FAIL by reference (group 1 x_out)" in page
     assert "group 0 (global ranks 0-1, seed 1): PASS" in page and "group 1 (global ranks 2-3, seed 7): FAIL" in page
     assert "<td>1 (global 3)</td>" in page
     assert page.count('id="tensor-group1_x_out"') == 1 and 'href="#tensor-group1_x_out"' in page
