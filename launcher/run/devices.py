@@ -8,6 +8,7 @@ a job that holds a job slot sets it, and its cores, in each of its ranks (`enter
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import importlib
 import importlib.util
@@ -16,6 +17,7 @@ import os
 import platform
 import socket
 import struct
+import threading
 import time
 
 import torch
@@ -179,13 +181,13 @@ def check_port_free(addr: str, port: int) -> None:
 
 def wait_for_node0(addr: str, port: int, timeout_s: float) -> None:
     """A node other than 0 waits (up to timeout_s) until node 0's rendezvous store accepts
-    connections: refused with one line if it never does, before anything is started and
-    without the store client's retry logs."""
+    connections and answers its client's handshake: refused with one line if it never does,
+    before anything is started and without the store client's retry logs."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                return
+                break
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise ConfigError(
@@ -193,6 +195,39 @@ def wait_for_node0(addr: str, port: int, timeout_s: float) -> None:
                     f"({e.strerror or e}): start node 0 (node_rank=0) with the same master_addr and master_port, or "
                     f"check that this host can reach it") from e
             time.sleep(0.25)
+    _store_handshake(addr, port, deadline, timeout_s)
+
+
+# At least this long for the handshake when the connection itself took (nearly) all of timeout_s.
+_HANDSHAKE_MIN_S = 1.0
+
+
+def _store_handshake(addr: str, port: int, deadline: float, timeout_s: float) -> None:
+    """A store client's handshake with addr:port, within the deadline. torch's client waits for
+    the server's answer with no timeout of its own, so a listener that is not a store (any
+    other service on master_port) would hang this node, and the rendezvous after it, forever;
+    the client runs in a thread (it releases the GIL) that is abandoned if it never answers."""
+    import torch.distributed as dist
+
+    left = max(_HANDSHAKE_MIN_S, deadline - time.monotonic())
+    outcome: list[BaseException | None] = []
+
+    def handshake() -> None:
+        try:
+            dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=left))
+            outcome.append(None)
+        except Exception as e:  # refused, reset, garbage: not node 0's store either
+            outcome.append(e)
+
+    thread = threading.Thread(target=handshake, name="store-handshake", daemon=True)
+    thread.start()
+    thread.join(left)
+    if outcome and outcome[0] is None:
+        return
+    why = (f"its handshake failed ({' '.join(str(outcome[0]).split())[:200]})" if outcome
+           else f"it did not answer a store client's handshake within timeout_s={timeout_s:.0f} s")
+    raise ConfigError(f"{addr}:{port} accepts connections but is not node 0's rendezvous store: {why}; master_port is "
+                      f"another service's, or node 0 is stuck: give node 0's master_addr and master_port")
 
 
 def device_names(backend: str, n: int) -> list[str]:

@@ -129,6 +129,26 @@ def test_a_node_without_node_0_is_refused_with_one_line_before_launch(tp_run):
     assert not os.path.exists(os.path.join(run.output_dir, "logs"))  # nothing was launched
 
 
+def test_a_master_port_that_is_another_service_is_refused_not_waited_on_forever(tmp_path):
+    # A listener of our own that accepts and never answers, as any other service would treat
+    # a store client's handshake: the TCP connection succeeds, the store's answer never comes.
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        p = _launcher(["layer=swa", "tp=2", "model=tiny", "nnodes=2", "node_rank=1", f"master_port={port}", "timeout_s=2"],
+                      tmp_path / "n1")
+        try:
+            out = p.communicate(timeout=120)[0]  # a safety net: without the handshake's deadline it never ends
+        finally:
+            p.kill()
+            p.wait()
+    assert p.returncode == 2, out
+    assert f"127.0.0.1:{port} accepts connections but is not node 0's rendezvous store" in out, out
+    assert "within timeout_s=2 s" in out, out
+    assert not (tmp_path / "n1" / "logs").exists()  # nothing was launched
+
+
 def test_a_port_in_time_wait_is_free_but_a_listening_one_is_not():
     # As the rendezvous store does: a listener with SO_REUSEADDR, whose side of a connection
     # closes first, so that the connection lingers in TIME_WAIT on the store's port for a
