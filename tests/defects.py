@@ -546,3 +546,21 @@ class ExpectsFreshProcessState(TorchTP):
         if any(left.values()):
             raise RuntimeError(f"an earlier job's process state is still here: {[k for k, v in left.items() if v]}")
         return super().__call__(ctx, tensors)
+
+
+# The folder where `StartsAChildProcess` records the pid of each child it starts.
+CHILD_PIDS_ENV = "DSV4_TEST_CHILD_PIDS"
+
+
+class StartsAChildProcess(TorchTP):
+    """Correct outputs, and a child process on every rank that would run for 1000 s (as a
+    compile-worker pool or a helper server started with `subprocess.Popen` would outlive it);
+    its pid goes to `$DSV4_TEST_CHILD_PIDS/rank<R>.pid`."""
+
+    def __call__(self, ctx, tensors):
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "1000"], stdin=subprocess.DEVNULL)
+        with open(os.path.join(os.environ[CHILD_PIDS_ENV], f"rank{ctx.rank}.pid"), "w") as f:
+            f.write(str(child.pid))
+        return super().__call__(ctx, tensors)

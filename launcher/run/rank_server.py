@@ -100,6 +100,7 @@ def serve(local_rank: int, env: dict[str, str], conn) -> None:
     """The process's life: jobs `(spec, log_dir)` from `conn` until None (exit) or until the
     launcher is gone; each job's result goes back over `conn`."""
     lifeline.die_with_parent()
+    lifeline.guard_process_group()
     os.environ.update(env)
     device, baseline = None, None
     while True:

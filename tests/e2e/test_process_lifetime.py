@@ -1,5 +1,6 @@
 """The launcher's processes live and die with it: killed outright, it leaves no rank, forkserver
-or resource tracker behind and closes its caller's pipes."""
+or resource tracker behind and closes its caller's pipes; what a rank's implementation starts
+ends with the rank, after a passing run as after a kill."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO
+from ..defects import CHILD_PIDS_ENV
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,11 +34,11 @@ def session_processes(sid: int) -> list[int]:
     return pids
 
 
-def start_launcher(out: Path, *args: str) -> subprocess.Popen:
+def start_launcher(out: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "launcher", *args, f"hydra.run.dir={out}"],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True,
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,
     )
 
 
@@ -94,6 +96,37 @@ def test_sigkill_after_the_ranks_finished_leaves_nothing(tmp_path):
     proc.send_signal(signal.SIGSTOP)
     assert proc.poll() is None and not (out / "result.json").exists(), "the run ended before the launcher was stopped"
     wait_for_events(out, {0: ("compare", "done"), 1: ("gather", "done")})
+    proc.kill()
+    assert_all_gone(proc)
+
+
+def recorded_children(folder: Path, ranks: int) -> list[int]:
+    """The pids `tests.defects.StartsAChildProcess` recorded, one per rank."""
+    pids = [int(p.read_text()) for p in sorted(folder.glob("rank*.pid"))]
+    assert len(pids) == ranks, pids
+    return pids
+
+
+def test_what_the_ranks_started_ends_with_a_passing_run(tmp_path):
+    children = tmp_path / "children"
+    children.mkdir()
+    proc = start_launcher(tmp_path / "out", "layer=swa", "tp=2", "model=tiny", "impl=tests.defects.StartsAChildProcess",
+                          env={CHILD_PIDS_ENV: str(children)})
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout.decode() + stderr.decode()
+    recorded_children(children, 2)  # both were started
+    assert_no_process_left(proc.pid)  # the children were in the launcher's session: none is left
+
+
+def test_sigkill_leaves_nothing_the_ranks_started(tmp_path):
+    children = tmp_path / "children"
+    children.mkdir()
+    out = tmp_path / "out"
+    proc = start_launcher(out, "layer=swa", "tp=2", "model=tiny", "timeout_s=120", "impl=tests.defects.StartsAChildProcess",
+                          "fault.kind=hang", "fault.rank=1", "fault.stage=gather", env={CHILD_PIDS_ENV: str(children)})
+    wait_for_events(out, {1: ("gather", "start")})  # after the layer: both children are running
+    pids = recorded_children(children, 2)
+    assert set(pids) <= set(session_processes(proc.pid))
     proc.kill()
     assert_all_gone(proc)
 
