@@ -564,3 +564,18 @@ class StartsAChildProcess(TorchTP):
         with open(os.path.join(os.environ[CHILD_PIDS_ENV], f"rank{ctx.rank}.pid"), "w") as f:
             f.write(str(child.pid))
         return super().__call__(ctx, tensors)
+
+
+# A file `KillJobProcessOnceAFileExists` waits for before it kills its job's process.
+KILL_AFTER_ENV = "DSV4_TEST_KILL_AFTER"
+
+
+class KillJobProcessOnceAFileExists(KillJobProcess):
+    """`KillJobProcess`, once the file `$DSV4_TEST_KILL_AFTER` exists (another job's progress
+    file: that job is running then), or after 120 s without it."""
+
+    def __call__(self, ctx, tensors):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.environ[KILL_AFTER_ENV]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().__call__(ctx, tensors)
