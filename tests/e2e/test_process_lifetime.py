@@ -1,6 +1,7 @@
 """The launcher's processes live and die with it: killed outright, it leaves no rank, forkserver
-or resource tracker behind and closes its caller's pipes; what a rank's implementation starts
-ends with the rank, after a passing run as after a kill."""
+or resource tracker behind and closes its caller's pipes, under joblib too (its workers and
+their job processes); what a rank's implementation starts ends with the rank, after a passing
+run as after a kill."""
 
 from __future__ import annotations
 
@@ -152,3 +153,34 @@ def test_a_frozen_rank_is_killed_and_named(tmp_path, tp, rank, stage, why):
     assert f"rank {rank} was frozen (process state T" in err["message"] and why in err["message"], err
     assert f"rank {rank} failed in stage '{stage}'" in stdout.decode()
     assert_no_process_left(proc.pid)
+
+
+def start_joblib_sweep(sweep_dir: Path) -> subprocess.Popen:
+    """A joblib sweep whose first two jobs (running at once) hang in their layer stage, and a
+    third that waits for a free worker."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "layer=swa",
+         "model=tiny", "tp=2", "timeout_s=120", "fault.kind=hang", "fault.rank=1", "seed=1,2,3",
+         f"hydra.sweep.dir={sweep_dir}"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killing_a_joblib_sweep_leaves_nothing(tmp_path, sig):
+    sweep_dir = tmp_path / "sweep"
+    proc = start_joblib_sweep(sweep_dir)
+    for job in ("0", "1"):
+        wait_for_events(sweep_dir / job, {1: ("layer", "start")})
+    # The pool's workers, their job processes, forkservers, ranks and resource trackers.
+    descendants = set(session_processes(proc.pid)) - {proc.pid}
+    assert len(descendants) >= 2 * 2 + 2, descendants  # at least both jobs' ranks and their workers
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert_no_process_left(proc.pid)  # every descendant was in the sweep's session
+    if sig == signal.SIGTERM:  # an interruption, reported as one: the summary says what ran and what did not
+        assert proc.returncode == 128 + signal.SIGTERM, stdout.decode() + stderr.decode()
+        summary = json.loads((sweep_dir / "summary.json").read_text())
+        assert summary["interrupted"] is True and summary["n_jobs"] == 3, summary
+        assert summary["passed"] == 0 and (sweep_dir / "junit.xml").is_file(), summary
