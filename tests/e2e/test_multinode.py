@@ -113,6 +113,21 @@ def test_a_node_that_never_joins_times_out_clearly(tmp_path):
     assert "timed out after 4 s: not all 2 nodes joined" in out
 
 
+def test_a_node_whose_node_0_gave_up_on_a_missing_node_says_so(tmp_path):
+    # nnodes=3, node 2 never starts. Node 1 is started first and waits for node 0's store;
+    # node 0 (the shorter timeout_s) gives up on node 2 and closes its store under node 1.
+    port = _free_port()
+    common = ["layer=swa", "tp=1", "dp=3", "model=tiny", "nnodes=3", f"master_port={port}"]
+    node1 = _launcher([*common, "node_rank=1", "timeout_s=120"], tmp_path / "node1")
+    node0 = _launcher([*common, "node_rank=0", "timeout_s=15"], tmp_path / "node0")
+    outs = {0: node0.communicate(timeout=240)[0], 1: node1.communicate(timeout=240)[0]}
+    assert node0.returncode == 2 and "timed out after 15 s: not all 3 nodes joined" in outs[0], outs[0]
+    assert node1.returncode == 2, outs[1]
+    assert f"node 1 reached node 0's rendezvous store at 127.0.0.1:{port}, which then failed before all 3 nodes joined" \
+        in outs[1], outs[1]
+    assert "could not reach" not in outs[1]
+
+
 def test_a_node_dying_mid_run_is_named_by_the_other(tmp_path):
     common = ["layer=swa", "tp=4", "model=tiny", "timeout_s=8", "fault.kind=exit", "fault.rank=3"]
     res = _two_nodes(tmp_path, common)
