@@ -128,6 +128,22 @@ def test_a_node_whose_node_0_gave_up_on_a_missing_node_says_so(tmp_path):
     assert "could not reach" not in outs[1]
 
 
+def test_a_node_rank_started_twice_is_refused_and_the_run_goes_on(tmp_path):
+    # Both node_rank=1 launchers wait for node 0's store; whichever claims node_rank=1 first
+    # runs with node 0, the other is refused before it starts anything.
+    port = _free_port()
+    common = ["layer=swa", "tp=2", "model=tiny", "nnodes=2", f"master_port={port}", "timeout_s=60"]
+    twins = [_launcher([*common, "node_rank=1"], tmp_path / f"node1-{k}") for k in (0, 1)]
+    node0 = _launcher([*common, "node_rank=0"], tmp_path / "node0")
+    outs = [p.communicate(timeout=240)[0] for p in (node0, *twins)]
+    assert node0.returncode == 0 and "VERDICT: PASS" in outs[0], outs[0]
+    codes = sorted((p.returncode, out) for p, out in zip(twins, outs[1:]))
+    (ran, ran_out), (refused, refused_out) = codes
+    assert ran == 0 and "its verdict: PASS" in ran_out, ran_out
+    assert refused == 2 and f"node_rank=1 is already taken in the run at 127.0.0.1:{port} by" in refused_out, refused_out
+    assert "is_failed" not in refused_out
+
+
 def test_a_node_dying_mid_run_is_named_by_the_other(tmp_path):
     common = ["layer=swa", "tp=4", "model=tiny", "timeout_s=8", "fault.kind=exit", "fault.rank=3"]
     res = _two_nodes(tmp_path, common)
