@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import traceback
@@ -47,12 +48,15 @@ def name_sweep_process() -> None:
     os.environ[SWEEP_PID_ENV] = str(os.getpid())
 
 
+_ARMED = []  # whether this worker dies with the sweep's launcher yet
+
+
 def die_with_sweep() -> None:
     """In a pool worker: be killed when the sweep's launcher ends (armed once per worker)."""
     parent = os.environ.get(SWEEP_PID_ENV)
-    if parent is not None and not getattr(die_with_sweep, "armed", False):
+    if parent is not None and not _ARMED:
         lifeline.die_with_parent(int(parent))
-        die_with_sweep.armed = True
+        _ARMED.append(True)
 
 
 class JobProcess:
@@ -67,10 +71,14 @@ class JobProcess:
         """`job(*args)` (picklable, returning an exit status) in the job process, started first
         if there is none; `(status, how)`: its exit status, or None and how the process ended
         when it died during the job."""
+        try:
+            message = pickle.dumps((job, args, _job_logging(), os.getcwd()), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # a config that cannot be sent (an object of a user's plugin): run here, as before
+            return job(*args), "returned"
         if self._pid is None:
             self._start()
         try:
-            self._conn.send((job, args, _job_logging(), os.getcwd()))
+            self._conn.send_bytes(message)
             return self._conn.recv(), "returned"
         except (EOFError, OSError):  # it died: how, from its exit status
             self._conn.close()
@@ -109,7 +117,7 @@ def _serve(conn, parent: int) -> None:
         lifeline.die_with_parent(parent)
         while True:
             try:
-                job, args, (logging, verbose), cwd = conn.recv()
+                job, args, (logging, verbose), cwd = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):  # the worker is gone, or closed the pool
                 break
             configure_log(OmegaConf.create(logging), verbose)
