@@ -81,7 +81,11 @@ def guard_process_group() -> None:
     a signal sent to the rank's group, by the rank itself or by a person, leaves it in place."""
     if not sys.platform.startswith("linux"):
         return
-    os.setpgid(0, 0)
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # a session leader (started so by an external launcher) leads its own group already
+        if os.getpgid(0) != os.getpid():
+            return
     rank = os.getpid()
     if os.fork() != 0:
         return
