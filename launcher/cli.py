@@ -11,6 +11,7 @@ Every job leaves `<output_dir>/result.json` and its page `report.html`, whatever
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ from layers.contract.config import ConfigError
 
 from launcher import sweep_config
 from launcher.config import output_dirs
-from launcher.config.job_slot import JobSlot, job_slot, slot_count
+from launcher.config.job_slot import JobSlot, job_slot, runs_in_a_pool, slot_count
 from launcher.config.one_composition import composed_once
 from launcher.config.slurm import node_output_dir
 from launcher.config.spec import config_case
@@ -45,7 +46,7 @@ from launcher.report.result import (
     not_launched,
 )
 from launcher.report.run_page import write_result_and_page
-from launcher.run import devices, rank_group, slots, tee
+from launcher.run import devices, job_process, rank_group, slots, tee
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
 from launcher.store import cache_dir
@@ -208,21 +209,53 @@ def _hydra_main(cfg: DictConfig) -> int:
 
 
 def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], hydra_cfg) -> int:
+    """A sweep's job; under a launcher that runs the jobs in a pool of worker processes, in the
+    worker's job process (`launcher.run.job_process`): its death is its own ERROR, not the pool's."""
+    sweep_dir, launcher = str(hydra_cfg.sweep.dir), OmegaConf.to_container(hydra_cfg.launcher)
+    if not runs_in_a_pool(launcher):
+        return _execute_in_slot(cfg, output_dir, job, overrides, sweep_dir, launcher)
+    job_process.die_with_sweep()
+    t0 = time.perf_counter()
+    status, how = job_process.JOB_PROCESS.run(_execute_in_slot, cfg, output_dir, job, overrides, sweep_dir, launcher)
+    written = _result_of(output_dir, job)
+    if written is None:
+        message = (f"the job's process {how} before it wrote its result (a signal, the OOM killer, or an "
+                   f"implementation that ended it); its ranks ended with it")
+        written = write_result_and_page(output_dir, not_launched(config_case(cfg), "error", message, stage="launcher",
+                                                                 wall_s=time.perf_counter() - t0), job)
+        print(console.render(written))
+    if status in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # interrupted: the sweep stops, as it would here
+        raise SystemExit(status)
+    return exit_code(written) if status is None else status
+
+
+def _result_of(output_dir: str, job: dict) -> dict | None:
+    """The result.json this sweep job wrote into `output_dir`, if it did."""
+    try:
+        with open(os.path.join(output_dir, "result.json")) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result if result.get("job") == job else None
+
+
+def _execute_in_slot(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], sweep_dir: str,
+                     launcher: dict) -> int:
     """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
     this node (`launcher.config.job_slot`), else with the whole node."""
     cpus = devices.cpu_affinity()
-    planned = (sweep.read_record(hydra_cfg.sweep.dir) or {}).get("jobs")
+    planned = (sweep.read_record(sweep_dir) or {}).get("jobs")
     planned_n = len(planned) if planned is not None else None
-    if cpus is None or slot_count(hydra_cfg.launcher, planned_n, len(cpus), None) == 1:
+    if cpus is None or slot_count(launcher, planned_n, len(cpus), None) == 1:
         return execute(cfg, output_dir, job, overrides)
     try:
         device_env, node_devices = devices.node_devices()
     except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a job without a result
         write_result_and_page(output_dir, launcher_error(config_case(cfg), e, wall_s=0.0), job)
         return EXIT_ERROR
-    count = slot_count(hydra_cfg.launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
+    count = slot_count(launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
     # Held until the job's result is written; released whatever happens, the job's death included.
-    with slots.claim(os.path.abspath(hydra_cfg.sweep.dir), count, job["num"]) as index:
+    with slots.claim(os.path.abspath(sweep_dir), count, job["num"]) as index:
         return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env))
 
 

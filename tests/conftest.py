@@ -49,11 +49,12 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None =
     )
 
 
-def multirun(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict, ET.Element]:
+def multirun(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict, ET.Element]:
     sweep_dir = tmp_path / "sweep"
     p = subprocess.run(
         [sys.executable, "-m", "launcher", "-m", *args, f"hydra.sweep.dir={sweep_dir}"],
-        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), capture_output=True, text=True,
+        timeout=300,
     )
     assert (sweep_dir / "summary.json").is_file(), p.stdout + p.stderr
     summary = json.loads((sweep_dir / "summary.json").read_text())

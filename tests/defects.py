@@ -653,3 +653,36 @@ class MoeDropsLastRoute(StageDefect):
             k = ctx.model.num_experts_per_tok
             out["routed_y_buf"][torch.arange(self.tokens) * k + k - 1] = 0
         return out
+
+
+# The folder where `StartsAChildProcess` records the pid of each child it starts.
+CHILD_PIDS_ENV = "DSV4_TEST_CHILD_PIDS"
+
+
+class StartsAChildProcess(TorchTP):
+    """Correct outputs, and a child process on every rank that would run for 1000 s (as a
+    compile-worker pool or a helper server started with `subprocess.Popen` would outlive it);
+    its pid goes to `$DSV4_TEST_CHILD_PIDS/rank<R>.pid`."""
+
+    def __call__(self, ctx, tensors):
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "1000"], stdin=subprocess.DEVNULL)
+        with open(os.path.join(os.environ[CHILD_PIDS_ENV], f"rank{ctx.rank}.pid"), "w") as f:
+            f.write(str(child.pid))
+        return super().__call__(ctx, tensors)
+
+
+# A file `KillJobProcessOnceAFileExists` waits for before it kills its job's process.
+KILL_AFTER_ENV = "DSV4_TEST_KILL_AFTER"
+
+
+class KillJobProcessOnceAFileExists(KillJobProcess):
+    """`KillJobProcess`, once the file `$DSV4_TEST_KILL_AFTER` exists (another job's progress
+    file: that job is running then), or after 120 s without it."""
+
+    def __call__(self, ctx, tensors):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.environ[KILL_AFTER_ENV]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().__call__(ctx, tensors)

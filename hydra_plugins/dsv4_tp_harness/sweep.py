@@ -35,7 +35,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
-from hydra.errors import HydraException
+from hydra.errors import CompactHydraException, HydraException
 from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
@@ -178,6 +178,7 @@ class HarnessSweeper(Sweeper):
         self.hydra_context: Optional[HydraContext] = None
         self.config: Optional[DictConfig] = None
         self.launcher: Optional[Launcher] = None
+        self._folders: dict[str, int] = {}  # each job's output folder (resolved subdir) -> its job number
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.hydra_context = hydra_context
@@ -198,6 +199,7 @@ class HarnessSweeper(Sweeper):
             batch = jobs[start:start + size]
             try:
                 self.validate_batch_is_legal(batch)
+                self._check_own_folders(batch, start)
                 results = self.launcher.launch(batch, initial_job_idx=start)
             finally:
                 _COMPOSED.clear()  # a launcher that composes its own jobs leaves them here
@@ -214,6 +216,30 @@ class HarnessSweeper(Sweeper):
         configs = compose_all(lambda job: loader.load_sweep_config(master_config=master, sweep_overrides=job), batch)
         for overrides, config in zip(batch, configs):
             _COMPOSED[tuple(overrides)] = config
+
+
+    def _check_own_folders(self, batch: Sequence[Sequence[str]], start: int) -> None:
+        """Refuse a sweep two of whose jobs would write into one folder (`hydra.sweep.subdir`
+        fixed, or naming nothing the jobs vary): each job's result.json would replace the
+        other's, and a job would be reported as having written none."""
+        assert self.config is not None
+        for idx, overrides in enumerate(batch, start=start):
+            config = _COMPOSED.get(tuple(overrides))
+            if config is None:
+                continue
+            with open_dict(config):
+                config.hydra.job.id = config.hydra.job.num = idx  # as the launcher sets them
+            try:
+                folder = str(config.hydra.sweep.subdir)
+            except Exception:  # the launcher reports a subdir that cannot be resolved
+                continue
+            first = self._folders.setdefault(folder, idx)
+            if first != idx:
+                given = OmegaConf.to_container(self.config.hydra.sweep, resolve=False)["subdir"]
+                raise CompactHydraException(  # one line, as a composition error is
+                    f"hydra.sweep.subdir={given} gives jobs {first} and {idx} the same folder {folder!r}: each "
+                    f"job's result.json would replace the other's; keep its default ${{hydra.job.num}} or "
+                    f"name what the jobs vary in it (e.g. ${{hydra.job.override_dirname}})")
 
 
 class HarnessLauncher(Launcher):

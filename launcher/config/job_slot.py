@@ -34,6 +34,12 @@ class JobSlot:
         return f"job slot {self.index} of {self.count}: cores {','.join(map(str, self.cpus))}{devices}"
 
 
+def runs_in_a_pool(launcher: dict) -> bool:
+    """Whether the Hydra launcher runs the sweep's jobs in a pool of worker processes, each
+    worker taking job after job (joblib's loky)."""
+    return str(launcher.get("_target_", "")).endswith(JOBLIB_LAUNCHER)
+
+
 def slot_count(launcher: dict, planned_jobs: Optional[int], n_cpus: int, n_devices: Optional[int]) -> int:
     """How many jobs of this sweep may run at once on this node, each in a slot of its own.
 
@@ -42,7 +48,7 @@ def slot_count(launcher: dict, planned_jobs: Optional[int], n_cpus: int, n_devic
     joblib runs `n_jobs` at once (a negative n_jobs counts back from the cores, as joblib
     does: -1 is all of them), never more than the sweep has jobs; a slot needs at least one
     core and one device, so more jobs than that wait for a free slot."""
-    if not str(launcher.get("_target_", "")).endswith(JOBLIB_LAUNCHER):
+    if not runs_in_a_pool(launcher):
         return 1
     n_jobs = launcher.get("n_jobs")
     n_jobs = 1 if n_jobs is None else int(n_jobs)

@@ -8,6 +8,7 @@ a job that holds a job slot sets it, and its cores, in each of its ranks (`enter
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import importlib
 import importlib.util
@@ -16,6 +17,7 @@ import os
 import platform
 import socket
 import struct
+import threading
 import time
 
 import torch
@@ -177,15 +179,17 @@ def check_port_free(addr: str, port: int) -> None:
             raise ConfigError(f"master_port={port} on {addr} cannot be bound ({e.strerror}); choose a free port") from e
 
 
-def wait_for_node0(addr: str, port: int, timeout_s: float) -> None:
+def wait_for_node0(addr: str, port: int, timeout_s: float, node_rank: int | None = None) -> None:
     """A node other than 0 waits (up to timeout_s) until node 0's rendezvous store accepts
-    connections: refused with one line if it never does, before anything is started and
-    without the store client's retry logs."""
+    connections and answers its client's handshake, and claims its `node_rank` there (None:
+    no claim, for a rank of an external launcher): refused with one line if the store never
+    answers or another launcher holds that node_rank, before anything is started and without
+    the store client's retry logs."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                return
+                break
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise ConfigError(
@@ -193,6 +197,68 @@ def wait_for_node0(addr: str, port: int, timeout_s: float) -> None:
                     f"({e.strerror or e}): start node 0 (node_rank=0) with the same master_addr and master_port, or "
                     f"check that this host can reach it") from e
             time.sleep(0.25)
+    _store_handshake(addr, port, deadline, timeout_s, node_rank)
+
+
+# At least this long for the handshake when the connection itself took (nearly) all of timeout_s.
+_HANDSHAKE_MIN_S = 1.0
+
+
+def _store_handshake(addr: str, port: int, deadline: float, timeout_s: float, node_rank: int | None) -> None:
+    """A store client's handshake with addr:port, within the deadline, and the claim of
+    `node_rank`. torch's client waits for the server's answer with no timeout of its own, so a
+    listener that is not a store (any other service on master_port) would hang this node, and
+    the rendezvous after it, forever; the client runs in a thread (it releases the GIL) that
+    is abandoned if it never answers."""
+    import torch.distributed as dist
+
+    left = max(_HANDSHAKE_MIN_S, deadline - time.monotonic())
+    outcome: list[BaseException | str | None] = []
+
+    def handshake() -> None:
+        try:
+            store = dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=left))
+            outcome.append(_claim(store, node_rank) if node_rank is not None else None)
+        except Exception as e:  # refused, reset, garbage: not node 0's store either
+            outcome.append(e)
+
+    thread = threading.Thread(target=handshake, name="store-handshake", daemon=True)
+    thread.start()
+    thread.join(left)
+    if outcome and outcome[0] is None:
+        return
+    if outcome and isinstance(outcome[0], str):
+        raise ConfigError(f"node_rank={node_rank} is already taken in the run at {addr}:{port} by {outcome[0]}: "
+                          f"each node needs a node_rank of its own, 1 to nnodes-1 beside node 0")
+    why = (f"its handshake failed ({' '.join(str(outcome[0]).split())[:200]})" if outcome
+           else f"it did not answer a store client's handshake within timeout_s={timeout_s:.0f} s")
+    raise ConfigError(f"{addr}:{port} accepts connections but is not node 0's rendezvous store: {why}; master_port is "
+                      f"another service's, or node 0 is stuck: give node 0's master_addr and master_port")
+
+
+_NODE_RANK_KEY = "dsv4_tp_harness/node_rank/{}"
+
+
+def _claim(store, node_rank: int) -> str | None:
+    """Claim `node_rank` in node 0's store for this launcher; None, or who holds it (a launcher
+    of this host whose process is gone holds nothing: its claim is taken over)."""
+    me = f"{socket.gethostname()} pid {os.getpid()}"
+    key = _NODE_RANK_KEY.format(node_rank)
+    holder = store.compare_set(key, "", me).decode()
+    host, _, pid = holder.partition(" pid ")
+    if holder != me and host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+        holder = store.compare_set(key, holder, me).decode()
+    return None if holder == me else holder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
 
 
 def device_names(backend: str, n: int) -> list[str]:

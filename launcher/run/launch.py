@@ -25,7 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from launcher.config.rank_stages import RANK_STAGES
@@ -353,12 +357,17 @@ def _launch_elastic(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
                      f"not all {spec.nnodes} nodes joined" + (f" ({' '.join(str(e).split())})" if str(e).strip() else "")),
         )
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
-    except RendezvousConnectionError:
+    except (RendezvousConnectionError, RendezvousClosedError) as e:
+        # A node other than 0 reached node 0's store in its preflight: node 0 then closed the
+        # rendezvous (it gave up waiting for a node), its store was lost (it stopped) or stopped
+        # answering, before every node joined.
+        cause = " ".join(str(e.__cause__ or e).split())[:300] or "the rendezvous was closed"
         failure = RankFailure(
             rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
-            message=(f"node {spec.node_rank} could not reach node 0's rendezvous store at {spec.master_addr}:"
-                     f"{spec.master_port} within timeout_s={spec.timeout_s:.0f} s: start node 0 (node_rank=0) with the "
-                     f"same master_addr and master_port, or check that this host can reach it"),
+            message=(f"node {spec.node_rank} reached node 0's rendezvous store at {spec.master_addr}:{spec.master_port}, "
+                     f"which then failed before all {spec.nnodes} nodes joined ({cause}): node 0 gives up when not "
+                     f"every node joins within its timeout_s, or it stopped; start every node within timeout_s "
+                     f"of node 0"),
         )
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except SignalException as e:  # Ctrl-C / SIGTERM: the agent has already stopped every rank

@@ -11,6 +11,11 @@ So each link of the chain launcher -> forkserver -> rank is tied to its parent: 
 ends, in whatever state the child is (hung, stopped, blocked); elsewhere by a thread that
 polls the parent pid. The resource tracker then sees its pipe close and exits by itself.
 
+What a rank starts itself (an implementation's `subprocess.Popen`, a compile-worker pool) is
+bound to the rank instead (`guard_process_group`): each rank leads a process group of its own,
+in which a guardian process waits for the rank's end, however it comes (a passing run's exit,
+a stop, a kill), and then ends the whole group.
+
 Torch-free: the forkserver imports this module first (`launcher.run.forkserver.PRELOAD`), and
 arms itself here when the process that starts it asks for it (`PARENT_ENV`).
 """
@@ -59,6 +64,42 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         threading.Thread(target=_watch, args=(expected,), name="parent-watch", daemon=True).start()
     if os.getppid() != expected:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# What the kernel sends a rank's guardian when the rank ends (its parent-death signal).
+_RANK_ENDED = signal.SIGUSR1
+
+
+def guard_process_group() -> None:
+    """Make this process (a rank) the leader of a process group of its own, with a guardian in
+    it that ends the group (SIGKILL, the guardian included) when this process ends: every
+    process the rank started and that stayed in its group (children, grandchildren, a pool's
+    workers) ends with the rank, not when some later run or a reboot ends it. Linux only (the
+    guardian waits for the parent-death signal); elsewhere a no-op.
+
+    The guardian blocks every signal it can, so that only the rank's end (or SIGKILL) ends it:
+    a signal sent to the rank's group, by the rank itself or by a person, leaves it in place."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # a session leader (started so by an external launcher) leads its own group already
+        if os.getpgid(0) != os.getpid():
+            return
+    rank = os.getpid()
+    if os.fork() != 0:
+        return
+    try:  # the guardian: nothing but signal calls, forked from a rank that may hold locks of other threads
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        if _set_pdeathsig(_RANK_ENDED):
+            if os.getppid() == rank:
+                signal.sigwait({_RANK_ENDED})
+        else:
+            while os.getppid() == rank:
+                time.sleep(_WATCH_S)
+    finally:
+        os.killpg(0, signal.SIGKILL)
+        os._exit(0)  # not reached: the group's SIGKILL ended this process too
 
 
 def _arm_forkserver() -> None:

@@ -56,8 +56,9 @@ def preflight(cfg: DictConfig, output_dir: str, overrides: Sequence[str] | None 
     # A rank of an external launcher (RANK set) finds the port held by that launcher's store.
     if spec.nnodes > 1 and spec.node_rank == 0 and "RANK" not in os.environ:
         devices.check_port_free(spec.master_addr, spec.master_port)
-    elif spec.nnodes > 1:
-        devices.wait_for_node0(spec.master_addr, spec.master_port, spec.timeout_s)
+    elif spec.nnodes > 1:  # every rank of an external launcher's node checks, one launcher per node claims
+        devices.wait_for_node0(spec.master_addr, spec.master_port, spec.timeout_s,
+                               None if "RANK" in os.environ else spec.node_rank)
     # Before the implementation is first imported here, where a rank keeps this process's note:
     # one forked from it (start_method=fork), or this process itself (an external launcher's
     # rank). The forkserver's ranks have their own.

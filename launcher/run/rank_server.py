@@ -103,6 +103,7 @@ def serve(local_rank: int, env: dict[str, str], conn) -> None:
     """The process's life: jobs `(spec, log_dir)` from `conn` until None (exit) or until the
     launcher is gone; each job's result goes back over `conn`."""
     lifeline.die_with_parent()
+    lifeline.guard_process_group()
     golden_guard.record()  # a spawned rank's own; a forked one inherited its parent's
     os.environ.update(env)
     device, baseline = None, None

@@ -237,6 +237,7 @@ def rank_main(spec: RunSpec):
     """A rank in a process of its own (the elastic agent's, or an external torchrun's): join
     the world, run the one job, leave."""
     lifeline.die_with_parent()  # a rank never outlives its parent, whatever kills the launcher
+    lifeline.guard_process_group()  # nor what it started
     golden_guard.record()  # a spawned rank's own; a forked one inherited its parent's
     devices.enter_job_slot(spec.slot)  # before anything counts the cores or devices
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))

@@ -19,8 +19,8 @@ import pytest
 
 from launcher.report.result import EXIT_ERROR
 
-from ..conftest import REPO
-from ..conftest import multirun
+from ..conftest import REPO, multirun
+from ..defects import KILL_AFTER_ENV
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
@@ -54,6 +54,21 @@ def test_a_job_that_left_no_result_is_an_error_row(tmp_path):
     assert "wrote no result.json" in jobs[1]["message"]
 
 
+
+
+def test_a_joblib_job_whose_process_dies_takes_no_other_job_with_it(tmp_path):
+    # The first job kills its own process (SIGKILL, as the OOM killer would) while the second
+    # runs beside it (its rank has started) and before the third could start (it waits for a
+    # free worker): both have their own verdicts, and the first its own error.
+    sweep_dir = tmp_path / "sweep"
+    env = {KILL_AFTER_ENV: str(sweep_dir / "1" / "progress" / "rank0.jsonl")}
+    p, summary, _ = multirun(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "layer=swa", "model=tiny",
+                             "tp=1", "impl._target_=tests.defects.KillJobProcessOnceAFileExists,layers.tp.TorchTP,"
+                             "layers.tp.TorchTP", env=env)
+    assert p.returncode == EXIT_ERROR, p.stdout + p.stderr
+    jobs = summary["jobs"]
+    assert [j["verdict"] for j in jobs] == ["ERROR", "PASS", "PASS"], summary
+    assert "the job's process was killed by SIGKILL before it wrote its result" in jobs[0]["message"], jobs[0]
 
 
 @pytest.mark.timeout(400)

@@ -113,6 +113,37 @@ def test_a_node_that_never_joins_times_out_clearly(tmp_path):
     assert "timed out after 4 s: not all 2 nodes joined" in out
 
 
+def test_a_node_whose_node_0_gave_up_on_a_missing_node_says_so(tmp_path):
+    # nnodes=3, node 2 never starts. Node 1 is started first and waits for node 0's store;
+    # node 0 (the shorter timeout_s) gives up on node 2 and closes its store under node 1.
+    port = _free_port()
+    common = ["layer=swa", "tp=1", "dp=3", "model=tiny", "nnodes=3", f"master_port={port}"]
+    node1 = _launcher([*common, "node_rank=1", "timeout_s=120"], tmp_path / "node1")
+    node0 = _launcher([*common, "node_rank=0", "timeout_s=15"], tmp_path / "node0")
+    outs = {0: node0.communicate(timeout=240)[0], 1: node1.communicate(timeout=240)[0]}
+    assert node0.returncode == 2 and "timed out after 15 s: not all 3 nodes joined" in outs[0], outs[0]
+    assert node1.returncode == 2, outs[1]
+    assert f"node 1 reached node 0's rendezvous store at 127.0.0.1:{port}, which then failed before all 3 nodes joined" \
+        in outs[1], outs[1]
+    assert "could not reach" not in outs[1]
+
+
+def test_a_node_rank_started_twice_is_refused_and_the_run_goes_on(tmp_path):
+    # Both node_rank=1 launchers wait for node 0's store; whichever claims node_rank=1 first
+    # runs with node 0, the other is refused before it starts anything.
+    port = _free_port()
+    common = ["layer=swa", "tp=2", "model=tiny", "nnodes=2", f"master_port={port}", "timeout_s=60"]
+    twins = [_launcher([*common, "node_rank=1"], tmp_path / f"node1-{k}") for k in (0, 1)]
+    node0 = _launcher([*common, "node_rank=0"], tmp_path / "node0")
+    outs = [p.communicate(timeout=240)[0] for p in (node0, *twins)]
+    assert node0.returncode == 0 and "VERDICT: PASS" in outs[0], outs[0]
+    codes = sorted((p.returncode, out) for p, out in zip(twins, outs[1:]))
+    (ran, ran_out), (refused, refused_out) = codes
+    assert ran == 0 and "its verdict: PASS" in ran_out, ran_out
+    assert refused == 2 and f"node_rank=1 is already taken in the run at 127.0.0.1:{port} by" in refused_out, refused_out
+    assert "is_failed" not in refused_out
+
+
 def test_a_node_dying_mid_run_is_named_by_the_other(tmp_path):
     common = ["layer=swa", "tp=4", "model=tiny", "timeout_s=8", "fault.kind=exit", "fault.rank=3"]
     res = _two_nodes(tmp_path, common)
@@ -127,6 +158,26 @@ def test_a_node_without_node_0_is_refused_with_one_line_before_launch(tp_run):
     assert run.exit_code == 2 and run.status == "config-error", run
     assert f"node 0's rendezvous store at 127.0.0.1:{port} did not answer within timeout_s=2 s" in run.report, run
     assert not os.path.exists(os.path.join(run.output_dir, "logs"))  # nothing was launched
+
+
+def test_a_master_port_that_is_another_service_is_refused_not_waited_on_forever(tmp_path):
+    # A listener of our own that accepts and never answers, as any other service would treat
+    # a store client's handshake: the TCP connection succeeds, the store's answer never comes.
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        p = _launcher(["layer=swa", "tp=2", "model=tiny", "nnodes=2", "node_rank=1", f"master_port={port}", "timeout_s=2"],
+                      tmp_path / "n1")
+        try:
+            out = p.communicate(timeout=120)[0]  # a safety net: without the handshake's deadline it never ends
+        finally:
+            p.kill()
+            p.wait()
+    assert p.returncode == 2, out
+    assert f"127.0.0.1:{port} accepts connections but is not node 0's rendezvous store" in out, out
+    assert "within timeout_s=2 s" in out, out
+    assert not (tmp_path / "n1" / "logs").exists()  # nothing was launched
 
 
 def test_a_port_in_time_wait_is_free_but_a_listening_one_is_not():

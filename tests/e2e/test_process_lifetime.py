@@ -1,5 +1,7 @@
 """The launcher's processes live and die with it: killed outright, it leaves no rank, forkserver
-or resource tracker behind and closes its caller's pipes."""
+or resource tracker behind and closes its caller's pipes, under joblib too (its workers and
+their job processes); what a rank's implementation starts ends with the rank, after a passing
+run as after a kill."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO
+from ..defects import CHILD_PIDS_ENV
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,11 +35,11 @@ def session_processes(sid: int) -> list[int]:
     return pids
 
 
-def start_launcher(out: Path, *args: str) -> subprocess.Popen:
+def start_launcher(out: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "launcher", *args, f"hydra.run.dir={out}"],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True,
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,
     )
 
 
@@ -98,6 +101,37 @@ def test_sigkill_after_the_ranks_finished_leaves_nothing(tmp_path):
     assert_all_gone(proc)
 
 
+def recorded_children(folder: Path, ranks: int) -> list[int]:
+    """The pids `tests.defects.StartsAChildProcess` recorded, one per rank."""
+    pids = [int(p.read_text()) for p in sorted(folder.glob("rank*.pid"))]
+    assert len(pids) == ranks, pids
+    return pids
+
+
+def test_what_the_ranks_started_ends_with_a_passing_run(tmp_path):
+    children = tmp_path / "children"
+    children.mkdir()
+    proc = start_launcher(tmp_path / "out", "layer=swa", "tp=2", "model=tiny", "impl=tests.defects.StartsAChildProcess",
+                          env={CHILD_PIDS_ENV: str(children)})
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout.decode() + stderr.decode()
+    recorded_children(children, 2)  # both were started
+    assert_no_process_left(proc.pid)  # the children were in the launcher's session: none is left
+
+
+def test_sigkill_leaves_nothing_the_ranks_started(tmp_path):
+    children = tmp_path / "children"
+    children.mkdir()
+    out = tmp_path / "out"
+    proc = start_launcher(out, "layer=swa", "tp=2", "model=tiny", "timeout_s=120", "impl=tests.defects.StartsAChildProcess",
+                          "fault.kind=hang", "fault.rank=1", "fault.stage=gather", env={CHILD_PIDS_ENV: str(children)})
+    wait_for_events(out, {1: ("gather", "start")})  # after the layer: both children are running
+    pids = recorded_children(children, 2)
+    assert set(pids) <= set(session_processes(proc.pid))
+    proc.kill()
+    assert_all_gone(proc)
+
+
 def rank_pid(out: Path, rank: int) -> int:
     return json.loads((out / "progress" / f"rank{rank}.pid").read_text())["pid"]
 
@@ -119,3 +153,34 @@ def test_a_frozen_rank_is_killed_and_named(tmp_path, tp, rank, stage, why):
     assert f"rank {rank} was frozen (process state T" in err["message"] and why in err["message"], err
     assert f"rank {rank} failed in stage '{stage}'" in stdout.decode()
     assert_no_process_left(proc.pid)
+
+
+def start_joblib_sweep(sweep_dir: Path) -> subprocess.Popen:
+    """A joblib sweep whose first two jobs (running at once) hang in their layer stage, and a
+    third that waits for a free worker."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "layer=swa",
+         "model=tiny", "tp=2", "timeout_s=120", "fault.kind=hang", "fault.rank=1", "seed=1,2,3",
+         f"hydra.sweep.dir={sweep_dir}"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killing_a_joblib_sweep_leaves_nothing(tmp_path, sig):
+    sweep_dir = tmp_path / "sweep"
+    proc = start_joblib_sweep(sweep_dir)
+    for job in ("0", "1"):
+        wait_for_events(sweep_dir / job, {1: ("layer", "start")})
+    # The pool's workers, their job processes, forkservers, ranks and resource trackers.
+    descendants = set(session_processes(proc.pid)) - {proc.pid}
+    assert len(descendants) >= 2 * 2 + 2, descendants  # at least both jobs' ranks and their workers
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert_no_process_left(proc.pid)  # every descendant was in the sweep's session
+    if sig == signal.SIGTERM:  # an interruption, reported as one: the summary says what ran and what did not
+        assert proc.returncode == 128 + signal.SIGTERM, stdout.decode() + stderr.decode()
+        summary = json.loads((sweep_dir / "summary.json").read_text())
+        assert summary["interrupted"] is True and summary["n_jobs"] == 3, summary
+        assert summary["passed"] == 0 and (sweep_dir / "junit.xml").is_file(), summary

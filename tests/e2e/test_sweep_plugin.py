@@ -100,6 +100,23 @@ def test_a_job_that_cannot_be_composed_refuses_the_sweep_before_any_job_runs(tmp
     assert not (sweep_dir / "0" / "result.json").exists()  # job 0 was fine, and still did not run
 
 
+@pytest.mark.parametrize("subdir, batch", [("same", []), ("${tp}", ["hydra.sweeper.max_batch_size=1"])],
+                         ids=["fixed", "naming-what-no-job-varies-in-batches"])
+def test_jobs_sharing_one_output_folder_refuse_the_sweep_before_one_replaces_anothers_result(tmp_path, subdir, batch):
+    sweep_dir = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "launcher", "-m", "layer=swa", "model=tiny", "tp=1", "seed=1,2", *batch,
+                        f"hydra.sweep.subdir={subdir}", f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+    folder = sweep_dir / ("same" if subdir == "same" else "1")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"hydra.sweep.subdir={subdir} gives jobs 0 and 1 the same folder '{folder.name}'" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    if batch:  # one job a batch: job 0 ran before job 1 was composed, and its result is its own
+        assert json.loads((folder / "result.json").read_text())["job"]["num"] == 0
+    else:  # every job is checked before any runs
+        assert not (folder / "result.json").exists()
+
+
 def test_a_sweep_over_a_groups_options_is_planned_in_full(tmp_path):
     """`glob(...)` lists a config group's options through Hydra's config loader: the sweep's
     record (its planned jobs, from which a job that never ran is an ERROR row) has them too."""
