@@ -98,8 +98,8 @@ def test_every_launcher_command_composes_and_is_accepted(cmd, capsys):
     args = [a for a in args if a != "-m"]
     cluster = cmd.kind == "compose" and not any("my_kernels." in a for a in args) and not any(
         a.startswith("model=") for a in args) and any(a.startswith(("nnodes=", "hydra/")) for a in args)
-    if sweep and any(_is_hydra(a) for a in args):
-        # What `-m ... --cfg hydra` prints: every job's Hydra node carries the command line's keys.
+    if sweep and any(a.startswith(("hydra/", "hydra.launcher.")) for a in args):
+        # What `-m ... --cfg hydra` prints: every job's Hydra node carries the chosen launcher's keys.
         assert print_sweep_configs(["-m", *args, "--cfg", "hydra"]) is None
         for job in capsys.readouterr().out.split("# job ")[1:]:
             shown = OmegaConf.create(yaml.safe_load(job.split("\n", 1)[1]))
