@@ -35,9 +35,10 @@ def test_every_command_of_the_doc_runs_or_composes(doc, tmp_path):
         if cmd.kind in ("install", "system"):
             continue  # checked against pyproject and CI in tests/unit/test_doc_commands.py
         if cmd.kind == "pytest":
-            p = subprocess.run([sys.executable, *cmd.argv[1:], "--collect-only", "-q", "-p", "no:cacheprovider"],
+            # Collected in the checkout (every marker and path it names must select tests), not run.
+            p = subprocess.run([sys.executable, *cmd.argv[1:], "--collect-only", "-p", "no:cacheprovider"],
                                cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
-            assert p.returncode == 0 and " collected" in p.stdout + p.stderr, (where, p.stdout[-2000:], p.stderr[-2000:])
+            assert p.returncode == 0 and "tests/" in p.stdout, (where, p.stdout[-2000:], p.stderr[-2000:])
         elif cmd.kind == "run":
             p = _shell(cmd.text, tmp_path)
             assert p.returncode == cmd.expected, (where, p.returncode, p.stdout[-3000:], p.stderr[-3000:])
