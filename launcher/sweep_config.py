@@ -50,7 +50,9 @@ def print_sweep_configs(argv: list[str]) -> str | None:
         jobs = planned_jobs(sweep)
         if jobs is None:
             return "the jobs of this sweeper are not known before it runs: --cfg needs the harness's or the basic sweeper"
-        hydra_overrides = [o for o in overrides if o.startswith("hydra.")]  # not part of a job's own list
+        # Not part of a job's own list: Hydra's keys and groups (`hydra/launcher=slurm` with its
+        # `hydra.launcher.partition=...`) hold for every job.
+        hydra_overrides = [o for o in overrides if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
         for num, job in enumerate(jobs):
             cfg = compose("config", overrides=job + hydra_overrides, return_hydra_config=cfg_type != "job")
             shown = {"hydra": cfg.hydra} if cfg_type == "hydra" else cfg

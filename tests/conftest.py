@@ -33,6 +33,19 @@ if not any(ep.value == "launcher.pytest_plugin" for ep in importlib.metadata.ent
     pytest_plugins = ["launcher.pytest_plugin"]
 
 
+# Every test of these folders launches processes (the CLI, gloo ranks): the fast subset,
+# `pytest -m "not slow"`, leaves them out; a unit test that does carries the mark itself.
+_SLOW_FOLDERS = ("e2e", "distributed")
+
+
+def pytest_collection_modifyitems(items):
+    tests = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
+        if parts and parts[0] in _SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
+
+
 def peer_snapshot(name: str) -> Path:
     path = PEER / name
     if not path.is_dir():

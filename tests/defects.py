@@ -686,3 +686,32 @@ class KillJobProcessOnceAFileExists(KillJobProcess):
         while not os.path.exists(os.environ[KILL_AFTER_ENV]) and time.monotonic() < deadline:
             time.sleep(0.05)
         return super().__call__(ctx, tensors)
+
+
+# -- a defect synchronised on its peers' progress, not on the machine's speed -------------------
+class ExtraCollectiveOnceRank0MovedOn(TorchTP):
+    """ExtraCollectiveOnRank1, with rank 1 entering its extra collective only once rank 0's
+    progress file (`progress`: the run's progress/rank0.jsonl) shows rank 0 in the gather stage:
+    however loaded the machine, its peer has moved on when it is left behind."""
+
+    def __init__(self, progress: str):
+        self.progress = progress
+
+    def _rank0_gathers(self) -> bool:
+        import json  # this section's own: the file above is shared and only grows at its end
+
+        try:
+            with open(self.progress) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return False
+        # A line still being written is not an event yet.
+        return any(line.endswith("}") and json.loads(line)["stage"] == "gather" for line in lines)
+
+    def __call__(self, ctx, tensors):
+        out = super().__call__(ctx, tensors)
+        if ctx.rank == 1:
+            while not self._rank0_gathers():
+                time.sleep(0.01)
+            dist.all_reduce(torch.zeros(1), group=ctx.group)
+        return out

@@ -70,11 +70,14 @@ def test_an_accumulating_step_starts_every_round_from_the_same_state():
     assert torch.equal(tensors["state"], torch.full((3,), 2.0))
 
 
+SLEEP_S = 0.05
+
+
 class Sleepy(TorchTP):
-    """The default implementation, 50 ms slower per call."""
+    """The default implementation, slower per call by a sleep: a lower bound on every round."""
 
     def __call__(self, ctx, tensors):
-        time.sleep(0.05)
+        time.sleep(SLEEP_S)
         return super().__call__(ctx, tensors)
 
 
@@ -90,12 +93,15 @@ class SlowRank1InRound3(TorchTP):
         return super().__call__(ctx, tensors)
 
 
-def test_a_slower_implementation_shows_a_slower_median(tp_run):
-    fast = tp_run(layer="swa", tp=2, model="tiny", overrides=["bench.rounds=5", "bench.warmup=1"])
+def test_a_slower_implementation_is_slower_in_every_round(tp_run):
+    # What a sleep guarantees, whatever the machine's load: every timed round of every rank holds
+    # it (a benchmark that timed anything but the implementation's calls would not), and the
+    # figures are those rounds'. Never a comparison with another run's seconds.
     slow = tp_run(layer="swa", tp=2, model="tiny", impl=Sleepy, overrides=["bench.rounds=5", "bench.warmup=1"])
-    assert fast.passed and slow.passed, (fast, slow)
-    assert slow.result["bench"]["median_s"] >= 0.05
-    assert slow.result["bench"]["median_s"] > fast.result["bench"]["median_s"]
+    assert slow.passed, slow
+    bench = slow.result["bench"]
+    assert len(bench["raw_s"]) == 5 and all(len(r) == 2 and min(r) >= SLEEP_S for r in bench["raw_s"])
+    assert bench["min_s"] >= SLEEP_S and bench["median_s"] == statistics.median(max(r) for r in bench["raw_s"])
     assert "bench: 5 rounds after 1 warm-up" in slow.report
 
 
@@ -104,11 +110,11 @@ def test_a_rank_slower_in_one_round_is_that_rounds_figure(tp_run):
     assert run.passed, run
     raw = run.result["bench"]["raw_s"]
     assert len(raw) == 4 and all(len(r) == 2 for r in raw)
-    # Round index 2 is the fourth call. Rank 0 waits for rank 1 in the round's collectives, so
-    # both ranks may show the delay; the round is the slowest one either way.
-    assert raw[2][1] >= 0.3 and max(raw[2]) == max(max(r) for r in raw)
-    assert run.result["bench"]["max_s"] == max(raw[2])
-    assert run.result["bench"]["per_rank"][1]["max_s"] == raw[2][1]
+    # Round index 2 is the fourth call: its delay is a lower bound of rank 1's figure there (a
+    # loaded machine may make another round slower still, so no round is asserted the slowest).
+    assert raw[2][1] >= 0.3
+    assert run.result["bench"]["max_s"] == max(max(r) for r in raw)
+    assert run.result["bench"]["per_rank"][1]["max_s"] == max(r[1] for r in raw) >= 0.3
 
 
 def test_stage_times_name_the_collectives(tp_run):

@@ -848,6 +848,7 @@ def test_compare_outputs_returns_json_ready_verdicts():
 # -- FLASH dims --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # flash-size tensors
 def test_flash_dims_compare_correctly():
     # x_out [P=8, t=64, HC=4, D=4096] fp32 (8.4M values) and a kv pool [8, 512, 32, 1, 512] bf16:
     # the comparators work at flash sizes (their speed is measured in scripts/bench.py, not here).

@@ -29,6 +29,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter per order
 @pytest.mark.parametrize("layer", ["swa", "csa", "hca"])
 def test_rank_slices_do_not_depend_on_the_order_ranks_are_built(layer):
     def hashes(order: str) -> dict:
@@ -46,6 +47,7 @@ def _tensors(d):
             for sub in ("in", "out") for f in sorted(os.listdir(os.path.join(d, sub)))}
 
 
+@pytest.mark.slow  # two runs on real ranks
 def test_two_runs_started_differently_give_identical_fixtures_and_verdicts(tp_run, tmp_path):
     a = tp_run(layer="swa", tp=4, model="tiny", save_data=str(tmp_path / "a"), golden_cache=None)
     b = tp_run(layer="swa", tp=4, model="tiny", save_data=str(tmp_path / "b"), golden_cache=None, start_method="spawn")
