@@ -30,7 +30,7 @@ class Command:
     source: str            # "docs/sweeps.md:42"
     text: str              # the command as written (continuations joined), its comment removed
     comment: str
-    kind: str              # run | compose | pytest | install | system | unknown
+    kind: str              # run | compose | pytest | script | install | system | unknown
     expected: int          # the exit status the doc states
 
     @property
@@ -97,6 +97,8 @@ def classify(text: str) -> str:
         return "system"
     if argv[:3] == ["python", "-m", "pytest"]:
         return "pytest"
+    if argv[0] == "python" and len(argv) > 1 and argv[1].startswith("scripts/"):
+        return "script"  # a measurement: minutes of work, checked against its own --help
     if argv[:2] == ["python", "-m"] and argv[2].startswith("launcher.") and argv[2] != "launcher.torchrun":
         return "run"  # the housekeeping tools: list, rerun, compare, cache
     args = Command("", text, "", "", 0).launcher_args()

@@ -39,6 +39,12 @@ def test_every_command_of_the_doc_runs_or_composes(doc, tmp_path):
             p = subprocess.run([sys.executable, *cmd.argv[1:], "--collect-only", "-p", "no:cacheprovider"],
                                cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
             assert p.returncode == 0 and "tests/" in p.stdout, (where, p.stdout[-2000:], p.stderr[-2000:])
+        elif cmd.kind == "script":
+            # A measurement takes minutes: its script must exist and know every option the doc gives it.
+            p = subprocess.run([sys.executable, cmd.argv[1], "--help"], cwd=REPO, env=_env(), capture_output=True,
+                               text=True, timeout=300)
+            unknown = [a for a in cmd.argv[2:] if a.startswith("--") and a.split("=")[0] not in p.stdout]
+            assert p.returncode == 0 and not unknown, (where, unknown, p.stdout[-2000:], p.stderr[-2000:])
         elif cmd.kind == "run":
             p = _shell(cmd.text, tmp_path)
             assert p.returncode == cmd.expected, (where, p.returncode, p.stdout[-3000:], p.stderr[-3000:])
