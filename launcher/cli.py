@@ -6,125 +6,56 @@ A multirun (`-m`) runs its jobs one after another, each with its own ranks; no j
 or crash stops the others (unless fail_fast=true) and the exit status is the worst job's.
 Under a parallel Hydra launcher (joblib) each running job holds a job slot, its own share of
 the node's cores and devices (`launcher.config.job_slot`).
-Every job leaves `<output_dir>/result.json` and its page `report.html`, whatever its outcome.
+Every job of a sweep leaves `<output_dir>/result.json` and its page `report.html`, whatever its
+outcome; so does a single run once it starts (a config it refuses is one error line, no folder).
+
+This module is the front door: help, --cfg, shell completion and composition errors end here,
+without importing torch or the layers. The run itself is `launcher.job`, imported when a run or
+a sweep starts.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import signal
 import sys
-import time
 
 import hydra
 import hydra_plugins
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from layers.contract.config import ConfigError
 
 from launcher import sweep_config
-from launcher.config.job_slot import JobSlot, job_slot, slot_count
-from launcher.config.one_composition import composed_once
-from launcher.config.slurm import node_output_dir
-from launcher.config.spec import config_case
-from launcher.report import console, plots, progress, sweep
-from launcher.report.result import (
-    EXIT_ERROR,
-    EXIT_PASS,
-    build_result,
-    exit_code,
-    launcher_error,
-    not_launched,
-)
-from launcher.report.run_page import write_result_and_page
-from launcher.run import devices, rank_group, slots
-from launcher.run.launch import launch
-from launcher.run.preflight import preflight
+from launcher.config.overrides import unknown_top_level
+from launcher.config.schema import top_level_names
+from launcher.report import progress
+from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
 
 
-# Written to the run's launcher.log only (Hydra's job logging; the console shows warnings).
-log = logging.getLogger("launcher")
-
-
-def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides: list[str] | None = None,
-            slot: JobSlot | None = None) -> int:
-    """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
-    that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
-    (`launcher.report.sweep.job_entry`), recorded in result.json; `overrides`: the run's
-    override strings (the keys the user gave explicitly); `slot`: the share of the node a job
-    running beside others holds (None: the whole node)."""
-    t0 = time.perf_counter()
-    try:
-        return _execute(cfg, output_dir, t0, job, overrides, slot)
-    except Exception as e:  # anything at all: the job is reported and the sweep goes on
-        result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
-        write_result_and_page(output_dir, result, job)
-        print(console.render(result))
-        return EXIT_ERROR
-
-
-def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None,
-             slot: JobSlot | None) -> int:
-    log.info("command line: %s", " ".join(sys.argv[1:]))
-    if node_output_dir(output_dir, os.environ) != output_dir:
-        # Node k > 0 of a Slurm job: only node 0's result (the compared one) is the sweep job's.
-        output_dir, job = node_output_dir(output_dir, os.environ), None
-    try:
-        spec = preflight(cfg, output_dir, overrides, slot)
-    except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
-        message = " ".join(str(e).split())
-        log.info("refused: %s", message)
-        print(f"error: {message}", file=sys.stderr)
-        write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", message,
-                                                       wall_s=time.perf_counter() - t0, stage="config"), job)
-        return EXIT_ERROR
-    # The ranks append to their progress files: a folder reused from an earlier run starts empty.
-    shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
-    if spec.snapshot:
-        print(console.snapshot_line(spec.snapshot, spec.case_entry()), flush=True)
-    c = spec.case
-    size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
-    label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
-    log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, %s, output %s",
-             label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(),
-             spec.slot.describe() if spec.slot else "the whole node", output_dir)
-    if spec.bench:
-        plots.preload_in_background()
-    with progress.StageWatcher(output_dir, spec.local_ranks, label):
-        outcome = launch(spec)
-    result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
-                          wall_s=time.perf_counter() - t0)
-    if spec.report_plots:
-        result["plots"] = plots.write_plots(result, output_dir)
-    write_result_and_page(output_dir, result, job)
-    report = console.render(result)
-    log.info("report:\n%s", report)
-    log.info("exit status %d", exit_code(result))
-    print(report)
-    if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
-        raise SystemExit(128 + outcome.interrupted)
-    return exit_code(result)
-
-
-class OutputFolder(Callback):
-    """Creates the run's (or the sweep's) output folder before Hydra does: one that cannot be
-    created is refused with one line and exit status 2, not a traceback from Hydra's mkdir."""
+class RunStart(Callback):
+    """A run or a sweep starts: its modules are imported (`launcher.job`: torch, the layers), a
+    single run's config is checked (a refusal is one error line, before any folder exists), and
+    the output folder is created before Hydra does: one that cannot be created is refused with
+    one line and exit status 2, not a traceback from Hydra's mkdir."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        from launcher import job  # here, not above: nothing that only prints or refuses imports torch
+
+        progress.composition_done()  # the error line goes to the terminal
+        job.check_before_folder(config)
         _create_output_folder(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from launcher import job  # noqa: F401 (imported, it tells final_status that a sweep started)
+
+        progress.composition_done()
         _create_output_folder(config, "hydra.sweep.dir")
 
 
 def _create_output_folder(config: DictConfig, key: str) -> None:
-    progress.composition_done()  # the error line goes to the terminal
     try:
         os.makedirs(str(OmegaConf.select(config, key)), exist_ok=True)  # claims a ${fresh_dir:...} folder
         return
@@ -142,39 +73,10 @@ def _create_output_folder(config: DictConfig, key: str) -> None:
 
 @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> int:
+    from launcher.job import run_job  # imported by RunStart already: a run started
+
     progress.composition_done()
-    hydra_cfg = HydraConfig.get()
-    output_dir = hydra_cfg.runtime.output_dir
-    overrides = list(hydra_cfg.overrides.task)
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return execute(cfg, output_dir, overrides=overrides)
-    num = int(hydra_cfg.job.num)
-    job = sweep.job_entry(hydra_cfg.sweep.dir, num, overrides)
-    if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
-        # Not counted in the exit status: the job that did not pass already decides it.
-        message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
-        write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
-        return EXIT_ERROR
-    return _execute_sweep_job(cfg, output_dir, job, overrides, hydra_cfg)
-
-
-def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], hydra_cfg) -> int:
-    """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
-    this node (`launcher.config.job_slot`), else with the whole node."""
-    cpus = devices.cpu_affinity()
-    planned = (sweep.read_record(hydra_cfg.sweep.dir) or {}).get("jobs")
-    planned_n = len(planned) if planned is not None else None
-    if cpus is None or slot_count(hydra_cfg.launcher, planned_n, len(cpus), None) == 1:
-        return execute(cfg, output_dir, job, overrides)
-    try:
-        device_env, node_devices = devices.node_devices()
-    except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a job without a result
-        write_result_and_page(output_dir, launcher_error(config_case(cfg), e, wall_s=0.0), job)
-        return EXIT_ERROR
-    count = slot_count(hydra_cfg.launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
-    # Held until the job's result is written; released whatever happens, the job's death included.
-    with slots.claim(os.path.abspath(hydra_cfg.sweep.dir), count, job["num"]) as index:
-        return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env))
+    return run_job(cfg, HydraConfig.get())
 
 
 def one_line(hydra_message: str) -> str:
@@ -189,24 +91,40 @@ def one_line(hydra_message: str) -> str:
     return " ".join(keep)
 
 
+# Hydra's flags that take the next argument as their value (`--cfg job`, `-sc install=bash`).
+_FLAGS_WITH_VALUE = ("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
+                     "-cd", "--config-dir", "-sc", "--shell-completion", "--info", "--experimental-rerun")
+
+
+def command_line_overrides(argv: list[str]) -> list[str]:
+    """The `key=value` overrides of a command line, without Hydra's flags and their values."""
+    return [a for prev, a in zip([""] + argv, argv)
+            if not a.startswith("-") and prev not in _FLAGS_WITH_VALUE and "=" in a]
+
+
 def main() -> None:
     """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
-    sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
+    if not any(a in ("-sc", "--shell-completion") or a.startswith("--shell-completion=") for a in sys.argv[1:]):
+        try:
+            refusal = unknown_top_level(command_line_overrides(sys.argv[1:]), top_level_names())
+        except Exception:  # an override Hydra cannot parse: Hydra's own error line says why
+            refusal = None
+        if refusal is not None:
+            print(f"error: {refusal}", file=sys.stderr)
+            sys.exit(EXIT_ERROR)
     if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
         sys.exit(_print_sweep_configs(sys.argv[1:]))
     sys.argv += basic_plugins_if_ours_are_hidden(sys.argv[1:])
     progress.hold_stderr_while_composing()
     code = None
     try:
-        with composed_once(sys.argv[1:]):
-            _hydra_main()
+        _hydra_main()
     except SystemExit as e:
         code = e.code
     except Exception as e:  # Hydra's own refusal of the command line, e.g. -m with --cfg
         progress.composition_error()
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         code = EXIT_ERROR
-    rank_group.POOL.close()  # the warm ranks a sweep's last jobs left
     held = progress.composition_error()
     if held is not None and code:
         print(f"error: {one_line(held)}", file=sys.stderr)
@@ -247,19 +165,11 @@ def _print_sweep_configs(argv: list[str]) -> int:
 
 
 def final_status(code) -> int:
-    """The process's exit status, from the files the run or the sweep's jobs wrote.
-
-    `code`: how Hydra's application ended (None: normally; 128 + a signal: interrupted; else
-    Hydra's own error exit). A multirun that never reached its end still gets its summary:
-    interrupted, its unfinished jobs are skips and the status is the signal's; stopped by an
-    error (a Hydra launcher that failed), the status is at least an error.
-    """
-    unfinished = sweep.SweepSummary.unfinished_sweep
-    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
-    if unfinished is not None:
-        status = sweep.write_summary(unfinished, interrupted=interrupted)
-        return code if interrupted else max(status, EXIT_ERROR)
+    """The process's exit status: `launcher.job.finish`'s once a run or a sweep started (it
+    imported `launcher.job`), else Hydra's (None: only printed, --help or --cfg)."""
+    job = sys.modules.get("launcher.job")
+    if job is not None:
+        return job.finish(code)
     if code:
         return code if isinstance(code, int) else EXIT_ERROR
-    status = sweep.SweepSummary.exit_status
-    return EXIT_PASS if status is None else status  # None: nothing ran (--help, --cfg print only)
+    return EXIT_PASS
