@@ -17,10 +17,12 @@ a sweep starts.
 from __future__ import annotations
 
 import os
+import string
 import sys
 
 import hydra
 import hydra_plugins
+from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -114,6 +116,8 @@ def main() -> None:
             sys.exit(EXIT_ERROR)
     if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
         sys.exit(_print_sweep_configs(sys.argv[1:]))
+    if _print_help(sys.argv[1:]):
+        sys.exit(EXIT_PASS)
     sys.argv += basic_plugins_if_ours_are_hidden(sys.argv[1:])
     progress.hold_stderr_while_composing()
     code = None
@@ -151,6 +155,28 @@ def basic_plugins_if_ours_are_hidden(argv: list[str]) -> list[str]:
               "`pip install -e . --config-settings editable_mode=compat` (or `pip install .`) makes it visible",
               file=sys.stderr)
     return basic
+
+
+def _print_help(argv: list[str]) -> bool:
+    """`--help [OVERRIDES]`: the help template printed as Hydra prints it, from one composition
+    (the Compose API). Hydra's own --help also lists every config group for its placeholders,
+    whichever the template uses: most of a second. False (Hydra prints it) for a template
+    with a placeholder other than $CONFIG, or a command line with other flags."""
+    flags = [a for a in argv if a not in command_line_overrides(argv)]
+    if not flags or any(a not in ("-h", "--help") for a in flags):
+        return False
+    try:
+        with initialize_config_module(config_module="configs", version_base=None):
+            cfg = compose(config_name="config", overrides=command_line_overrides(argv), return_hydra_config=True)
+    except Exception as e:  # a composition error: one line, as a run's, with its cause
+        print(f"error: {one_line(f'{e} {e.__cause__ or str()}')}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    template = string.Template(cfg.hydra.help.template)
+    if not set(template.get_identifiers()) <= {"CONFIG"}:
+        return False
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    print(template.substitute(CONFIG=OmegaConf.to_yaml(job)))
+    return True
 
 
 def _print_sweep_configs(argv: list[str]) -> int:

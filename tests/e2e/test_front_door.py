@@ -51,6 +51,13 @@ def test_what_only_prints_or_refuses_never_imports_torch(tmp_path, args, env, co
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
+def test_help_is_the_page_hydra_prints(tmp_path):
+    # --help composes once and prints the template; with --resolve Hydra prints it itself.
+    ours, hydras = _launcher(["--help"], tmp_path), _launcher(["--help", "--resolve"], tmp_path)
+    assert ours.returncode == hydras.returncode == 0, _said(ours.stderr) + _said(hydras.stderr)
+    assert "Exit status:" in ours.stdout and ours.stdout == hydras.stdout
+
+
 @pytest.mark.parametrize("args, nearest", [
     (["+layr=swa"], "layer"),
     (["+lauer=csa"], "layer"),
