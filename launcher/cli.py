@@ -35,6 +35,7 @@ from launcher.config.overrides import unknown_top_level
 from launcher.config.schema import top_level_names
 from launcher.report import progress
 from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
+from launcher.run import import_gc
 
 
 class RunStart(Callback):
@@ -44,17 +45,25 @@ class RunStart(Callback):
     one line and exit status 2, not a traceback from Hydra's mkdir."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        from launcher import job  # here, not above: nothing that only prints or refuses imports torch
-
         progress.composition_done()  # the error line goes to the terminal
-        job.check_before_folder(config)
+        _import_the_run().check_before_folder(config)
         _create_output_folder(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        from launcher import job  # noqa: F401 (imported, it tells final_status that a sweep started)
-
+        _import_the_run()  # imported, it also tells final_status that a sweep started
         progress.composition_done()
         _create_output_folder(config, "hydra.sweep.dir")
+
+
+def _import_the_run():
+    """`launcher.job`, imported here, not above: nothing that only prints or refuses imports
+    torch. Its imports make objects that live as long as the process: the collector is paused
+    meanwhile, as for the launcher's own imports (`launcher.run.import_gc`)."""
+    import_gc.pause()
+    from launcher import job
+
+    import_gc.resume()
+    return job
 
 
 def _create_output_folder(config: DictConfig, key: str) -> None:
