@@ -6,25 +6,27 @@ A multirun (`-m`) runs its jobs one after another, each with its own ranks; no j
 or crash stops the others (unless fail_fast=true) and the exit status is the worst job's.
 Under a parallel Hydra launcher (joblib) each running job holds a job slot, its own share of
 the node's cores and devices (`launcher.config.job_slot`).
-Every job leaves `<output_dir>/result.json` and its page `report.html`, whatever its outcome.
+Every job of a sweep leaves `<output_dir>/result.json` and its page `report.html`, whatever its
+outcome; so does a single run once it starts (a config it refuses is one error line, no folder).
+
+This module is the front door: help, --cfg, shell completion and composition errors end here,
+without importing torch or the layers. The run itself is `launcher.job`, imported when a run or
+a sweep starts.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import shutil
-import signal
+import string
 import sys
 import tempfile
-import time
 
 import hydra
 import hydra_plugins
+from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -32,127 +34,42 @@ from layers.contract.config import ConfigError
 
 from launcher import sweep_config
 from launcher.config import output_dirs
-from launcher.config.job_slot import JobSlot, job_slot, runs_in_a_pool, slot_count
-from launcher.config.one_composition import composed_once
+from launcher.config.overrides import unknown_top_level
+from launcher.config.schema import top_level_names
 from launcher.config.slurm import node_output_dir
-from launcher.config.spec import config_case
-from launcher.report import console, plots, progress, sweep
-from launcher.report.result import (
-    EXIT_ERROR,
-    EXIT_PASS,
-    build_result,
-    exit_code,
-    launcher_error,
-    not_launched,
-)
-from launcher.report.run_page import write_result_and_page
-from launcher.run import devices, job_process, rank_group, slots, tee
-from launcher.run.launch import launch
-from launcher.run.preflight import preflight
-from launcher.store import cache_dir
+from launcher.report import progress
+from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
+from launcher.run import import_gc, tee
 
 
-# Written to the run's launcher.log only (Hydra's job logging; the console shows warnings).
-log = logging.getLogger("launcher")
-
-
-def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides: list[str] | None = None,
-            slot: JobSlot | None = None) -> int:
-    """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
-    that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
-    (`launcher.report.sweep.job_entry`), recorded in result.json; `overrides`: the run's
-    override strings (the keys the user gave explicitly); `slot`: the share of the node a job
-    running beside others holds (None: the whole node)."""
-    t0 = time.perf_counter()
-    try:
-        return _execute(cfg, output_dir, t0, job, overrides, slot)
-    except Exception as e:  # anything at all: the job is reported and the sweep goes on
-        result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
-        written, unwritten = _write(output_dir, result, job)
-        print(console.render(result))
-        print(console.where_line(output_dir, written))
-        if unwritten:
-            print(unwritten, file=sys.stderr)
-        return EXIT_ERROR
-
-
-def _write(output_dir: str, result: dict, job: dict | None) -> tuple[dict, str | None]:
-    """Write the run's result.json and page; the result as written (as given when it could not
-    be) and None, or the error line to print when the output folder cannot take them (a full
-    disk, a read-only mount): the run is then an error, its report on the console its only record."""
-    try:
-        return write_result_and_page(output_dir, result, job), None
-    except OSError as e:
-        return result, (f"error: output folder {output_dir}: {os.path.basename(e.filename or 'result.json')} cannot "
-                        f"be written ({e.strerror or e}); the report above is this run's only record")
-
-
-def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None,
-             slot: JobSlot | None) -> int:
-    log.info("command line: %s", " ".join(sys.argv[1:]))
-    if node_output_dir(output_dir, os.environ) != output_dir:
-        # Node k > 0 of a Slurm job: only node 0's result (the compared one) is the sweep job's.
-        output_dir, job = node_output_dir(output_dir, os.environ), None
-    try:
-        spec = preflight(cfg, output_dir, overrides, slot)
-    except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
-        message = " ".join(str(e).split())
-        log.info("refused: %s", message)
-        print(f"error: {message}", file=sys.stderr)
-        written, unwritten = _write(output_dir, not_launched(config_case(cfg), "config-error", message,
-                                                             wall_s=time.perf_counter() - t0, stage="config"), job)
-        if job is None:  # a sweep's job: its row in the sweep's table says it; stderr keeps its one error line
-            print(console.where_line(output_dir, written))
-        if unwritten:
-            print(unwritten, file=sys.stderr)
-        return EXIT_ERROR
-    # The ranks append to their progress files: a folder reused from an earlier run starts empty.
-    shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
-    if spec.snapshot:
-        print(console.snapshot_line(spec.snapshot, spec.case_entry()), flush=True)
-    c = spec.case
-    size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
-    label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
-    log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, %s, output %s",
-             label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(),
-             spec.slot.describe() if spec.slot else "the whole node", output_dir)
-    if spec.bench:
-        plots.preload_in_background()
-    with progress.StageWatcher(output_dir, spec.local_ranks, label):
-        outcome = launch(spec)
-    result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
-                          wall_s=time.perf_counter() - t0)
-    if spec.report_plots:
-        result["plots"] = plots.write_plots(result, output_dir)
-    written, unwritten = _write(output_dir, result, job)
-    report = console.render(result)
-    log.info("report:\n%s", report)
-    status = EXIT_ERROR if unwritten else exit_code(result)
-    log.info("exit status %d", status)
-    if job is None or status != EXIT_PASS:  # a sweep's passing job: its one progress row says it
-        print(report)
-        print(console.where_line(output_dir, written))
-    cache_usage = cache_dir.usage_line(spec.golden_cache, spec.golden_cache_max_bytes) if job is None else None
-    if cache_usage:
-        print(cache_usage)
-    if unwritten:
-        print(unwritten, file=sys.stderr)
-    if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
-        raise SystemExit(128 + outcome.interrupted)
-    return status
-
-
-class OutputFolder(Callback):
-    """Creates the run's (or the sweep's) output folder before Hydra does and claims it for
-    this launcher (`launcher.config.output_dirs.claim`, this node's folder of a Slurm job): one
-    that cannot be created or written, whose disk is (nearly) full, or that another launcher
-    holds, is refused with one line and exit status 2, before Hydra writes anything into it."""
+class RunStart(Callback):
+    """A run or a sweep starts: its modules are imported (`launcher.job`: torch, the layers), a
+    single run's config is checked (a refusal is one error line, before any folder exists), and
+    the output folder is created before Hydra does and claimed for this launcher
+    (`launcher.config.output_dirs.claim`, this node's folder of a Slurm job): one that cannot be
+    created or written, whose disk is (nearly) full, or that another launcher holds, is refused
+    with one line and exit status 2, before Hydra writes anything into it."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        progress.composition_done()  # the error line goes to the terminal
+        _import_the_run().check_before_folder(config)
         _create_output_folder(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _import_the_run()  # imported, it also tells final_status that a sweep started
+        progress.composition_done()
         _create_output_folder(config, "hydra.sweep.dir")
+
+
+def _import_the_run():
+    """`launcher.job`, imported here, not above: nothing that only prints or refuses imports
+    torch. Its imports make objects that live as long as the process: the collector is paused
+    meanwhile, as for the launcher's own imports (`launcher.run.import_gc`)."""
+    import_gc.pause()
+    from launcher import job
+
+    import_gc.resume()
+    return job
 
 
 # Free space an output folder needs: Hydra's copies of the config, launcher.log, every rank's
@@ -162,7 +79,6 @@ MIN_FREE_BYTES = 1 << 20
 
 
 def _create_output_folder(config: DictConfig, key: str) -> None:
-    progress.composition_done()  # the error line goes to the terminal
     folder = key
     try:
         folder = str(OmegaConf.select(config, key))  # claims a ${fresh_dir:...} folder
@@ -192,71 +108,10 @@ def _create_output_folder(config: DictConfig, key: str) -> None:
 
 @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> int:
+    from launcher.job import run_job  # imported by RunStart already: a run started
+
     progress.composition_done()
-    hydra_cfg = HydraConfig.get()
-    output_dir = hydra_cfg.runtime.output_dir
-    overrides = list(hydra_cfg.overrides.task)
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return execute(cfg, output_dir, overrides=overrides)
-    num = int(hydra_cfg.job.num)
-    job = sweep.job_entry(hydra_cfg.sweep.dir, num, overrides)
-    if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
-        # Not counted in the exit status: the job that did not pass already decides it.
-        message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
-        write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
-        return EXIT_ERROR
-    return _execute_sweep_job(cfg, output_dir, job, overrides, hydra_cfg)
-
-
-def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], hydra_cfg) -> int:
-    """A sweep's job; under a launcher that runs the jobs in a pool of worker processes, in the
-    worker's job process (`launcher.run.job_process`): its death is its own ERROR, not the pool's."""
-    sweep_dir, launcher = str(hydra_cfg.sweep.dir), OmegaConf.to_container(hydra_cfg.launcher)
-    if not runs_in_a_pool(launcher):
-        return _execute_in_slot(cfg, output_dir, job, overrides, sweep_dir, launcher)
-    job_process.die_with_sweep()
-    t0 = time.perf_counter()
-    status, how = job_process.JOB_PROCESS.run(_execute_in_slot, cfg, output_dir, job, overrides, sweep_dir, launcher)
-    written = _result_of(output_dir, job)
-    if written is None:
-        message = (f"the job's process {how} before it wrote its result (a signal, the OOM killer, or an "
-                   f"implementation that ended it); its ranks ended with it")
-        written = write_result_and_page(output_dir, not_launched(config_case(cfg), "error", message, stage="launcher",
-                                                                 wall_s=time.perf_counter() - t0), job)
-        print(console.render(written))
-    if status in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # interrupted: the sweep stops, as it would here
-        raise SystemExit(status)
-    return exit_code(written) if status is None else status
-
-
-def _result_of(output_dir: str, job: dict) -> dict | None:
-    """The result.json this sweep job wrote into `output_dir`, if it did."""
-    try:
-        with open(os.path.join(output_dir, "result.json")) as f:
-            result = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return result if result.get("job") == job else None
-
-
-def _execute_in_slot(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], sweep_dir: str,
-                     launcher: dict) -> int:
-    """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
-    this node (`launcher.config.job_slot`), else with the whole node."""
-    cpus = devices.cpu_affinity()
-    planned = (sweep.read_record(sweep_dir) or {}).get("jobs")
-    planned_n = len(planned) if planned is not None else None
-    if cpus is None or slot_count(launcher, planned_n, len(cpus), None) == 1:
-        return execute(cfg, output_dir, job, overrides)
-    try:
-        device_env, node_devices = devices.node_devices()
-    except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a job without a result
-        write_result_and_page(output_dir, launcher_error(config_case(cfg), e, wall_s=0.0), job)
-        return EXIT_ERROR
-    count = slot_count(launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
-    # Held until the job's result is written; released whatever happens, the job's death included.
-    with slots.claim(os.path.abspath(sweep_dir), count, job["num"]) as index:
-        return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env))
+    return run_job(cfg, HydraConfig.get())
 
 
 def one_line(hydra_message: str) -> str:
@@ -271,31 +126,48 @@ def one_line(hydra_message: str) -> str:
     return " ".join(keep)
 
 
+# Hydra's flags that take the next argument as their value (`--cfg job`, `-sc install=bash`).
+_FLAGS_WITH_VALUE = ("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
+                     "-cd", "--config-dir", "-sc", "--shell-completion", "--info", "--experimental-rerun")
+
+
+def command_line_overrides(argv: list[str]) -> list[str]:
+    """The `key=value` overrides of a command line, without Hydra's flags and their values."""
+    return [a for prev, a in zip([""] + argv, argv)
+            if not a.startswith("-") and prev not in _FLAGS_WITH_VALUE and "=" in a]
+
+
 VERBOSE_FLAGS = ("-v", "--verbose")
 
 
 def main() -> None:
     """Run Hydra; a composition error (unknown key, bad value, unknown option) is one line, exit 2."""
-    sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = None
-    verbose = [a for a in sys.argv[1:] if a in VERBOSE_FLAGS]
-    if verbose:  # ours, not Hydra's: rank 0's INFO records on the console too
+    if any(a in VERBOSE_FLAGS for a in sys.argv[1:]):  # ours, not Hydra's: rank 0's INFO records on the console too
         sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in VERBOSE_FLAGS)]
         tee.show_log_records()
+    if not any(a in ("-sc", "--shell-completion") or a.startswith("--shell-completion=") for a in sys.argv[1:]):
+        try:
+            refusal = unknown_top_level(command_line_overrides(sys.argv[1:]), top_level_names())
+        except Exception:  # an override Hydra cannot parse: Hydra's own error line says why
+            refusal = None
+        if refusal is not None:
+            print(f"error: {refusal}", file=sys.stderr)
+            sys.exit(EXIT_ERROR)
     if sweep_config.wants_sweep_configs(sys.argv[1:]):  # Hydra itself refuses -m with --cfg
         sys.exit(_print_sweep_configs(sys.argv[1:]))
+    if _print_help(sys.argv[1:]):
+        sys.exit(EXIT_PASS)
     sys.argv += basic_plugins_if_ours_are_hidden(sys.argv[1:])
     progress.hold_stderr_while_composing()
     code = None
     try:
-        with composed_once(sys.argv[1:]):
-            _hydra_main()
+        _hydra_main()
     except SystemExit as e:
         code = e.code
     except Exception as e:  # Hydra's own refusal of the command line, e.g. -m with --cfg
         progress.composition_error()
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         code = EXIT_ERROR
-    rank_group.POOL.close()  # the warm ranks a sweep's last jobs left
     held = progress.composition_error()
     if held is not None and code:
         print(f"error: {one_line(held)}", file=sys.stderr)
@@ -324,6 +196,28 @@ def basic_plugins_if_ours_are_hidden(argv: list[str]) -> list[str]:
     return basic
 
 
+def _print_help(argv: list[str]) -> bool:
+    """`--help [OVERRIDES]`: the help template printed as Hydra prints it, from one composition
+    (the Compose API). Hydra's own --help also lists every config group for its placeholders,
+    whichever the template uses: most of a second. False (Hydra prints it) for a template
+    with a placeholder other than $CONFIG, or a command line with other flags."""
+    flags = [a for a in argv if a not in command_line_overrides(argv)]
+    if not flags or any(a not in ("-h", "--help") for a in flags):
+        return False
+    try:
+        with initialize_config_module(config_module="configs", version_base=None):
+            cfg = compose(config_name="config", overrides=command_line_overrides(argv), return_hydra_config=True)
+    except Exception as e:  # a composition error: one line, as a run's, with its cause
+        print(f"error: {one_line(f'{e} {e.__cause__ or str()}')}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    template = string.Template(cfg.hydra.help.template)
+    if not set(template.get_identifiers()) <= {"CONFIG"}:
+        return False
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    print(template.substitute(CONFIG=OmegaConf.to_yaml(job)))
+    return True
+
+
 def _print_sweep_configs(argv: list[str]) -> int:
     try:
         refusal = sweep_config.print_sweep_configs(argv)
@@ -336,19 +230,11 @@ def _print_sweep_configs(argv: list[str]) -> int:
 
 
 def final_status(code) -> int:
-    """The process's exit status, from the files the run or the sweep's jobs wrote.
-
-    `code`: how Hydra's application ended (None: normally; 128 + a signal: interrupted; else
-    Hydra's own error exit). A multirun that never reached its end still gets its summary:
-    interrupted, its unfinished jobs are skips and the status is the signal's; stopped by an
-    error (a Hydra launcher that failed), the status is at least an error.
-    """
-    unfinished = sweep.SweepSummary.unfinished_sweep
-    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
-    if unfinished is not None:
-        status = sweep.write_summary(unfinished, interrupted=interrupted)
-        return code if interrupted else max(status, EXIT_ERROR)
+    """The process's exit status: `launcher.job.finish`'s once a run or a sweep started (it
+    imported `launcher.job`), else Hydra's (None: only printed, --help or --cfg)."""
+    job = sys.modules.get("launcher.job")
+    if job is not None:
+        return job.finish(code)
     if code:
         return code if isinstance(code, int) else EXIT_ERROR
-    status = sweep.SweepSummary.exit_status
-    return EXIT_PASS if status is None else status  # None: nothing ran (--help, --cfg print only)
+    return EXIT_PASS

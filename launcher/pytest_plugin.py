@@ -67,7 +67,7 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
 
     from hydra import compose, initialize_config_module
 
-    from launcher.cli import execute  # registers the schemas
+    from launcher.job import execute  # registers the schemas
     from launcher.report.console import render
 
     args = [o for k, v in keys.items() for o in _overrides(k, v)] + list(overrides)

@@ -34,6 +34,8 @@ from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from layers.contract.config import ConfigError
 
 from launcher.config.output_dirs import fresh_dir
+from launcher.config.overrides import unknown_top_level
+from launcher.config.schema import top_level_names
 from launcher.report.console import table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
 from launcher.report.sweep import SWEEP_FILE, collect_rows, job_entry, write_summary
@@ -53,6 +55,9 @@ def _compose(overrides: list[str]):
 
 def planned(args: list[str]) -> list[list[str]]:
     """The jobs `python -m launcher -m ARGS` runs, each as its task overrides."""
+    refusal = unknown_top_level(args, top_level_names())
+    if refusal is not None:
+        raise ConfigError(refusal)
     task = [a for a in args if not _is_hydra(a)]
     with initialize_config_module(config_module="configs", version_base=None):
         # Hydra's config loader lists a group's options for a `glob(...)` sweep.

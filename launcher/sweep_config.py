@@ -13,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from launcher.report.sweep import planned_jobs
+from launcher.config.sweep_jobs import planned_jobs
 
 _MULTIRUN = ("-m", "--multirun")
 _CFG = ("-c", "--cfg")

@@ -9,6 +9,7 @@
     python scripts/bench.py loops               # Python calls as tokens / heads / cache rows double
     python scripts/bench.py scaling             # wall time vs tp and vs local_t, tiny and flash, + PNG
     python scripts/bench.py plot                # scaling.png again from the figures in bench.json
+    python scripts/bench.py front               # --help, --cfg job, a refusal, sweep list, compare (front_bench.py)
 
 Every launcher run is `python -m launcher ... golden_cache=null` in a fresh interpreter (the
 cache would turn the golden and fixture stages into file reads; `sweep` and `flash` also
@@ -47,6 +48,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import front_bench  # noqa: E402 (scripts/, beside this file)
 
 CORES = os.cpu_count() or 1
 MB = 2**20
@@ -797,7 +800,7 @@ def merge_min(old: dict, new: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["all", "launch", "sweep", "flash", "memory", "threads", "loops", "scaling", "plot",
-                                     "golden-alone"])
+                                     "golden-alone", "front"])
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the minimum is reported")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "bench"), help="folder for bench.json and scaling.png")
     ap.add_argument("--layers", default="swa,csa", help="layers of the memory and scaling benchmarks")
@@ -844,6 +847,8 @@ def main() -> int:
                 r = bench_threads(tmp, args.repeats, args.layer, args.tp, args.local_t)
             elif what == "loops":
                 r = bench_loops(["swa", "csa", "hca"])
+            elif what == "front":
+                r = front_bench.bench_front(tmp, args.repeats, [str(ROOT)])
             else:
                 r = bench_scaling(tmp, args.repeats, layers, args.models.split(","))
             r = _normalise(r)
@@ -857,7 +862,8 @@ def main() -> int:
             if what == "scaling":
                 write_scaling_png(os.path.join(args.out, "scaling.png"), r)
             report = {"launch": report_launch, "sweep": report_sweep, "flash": report_flash, "memory": report_memory,
-                      "threads": report_threads, "loops": report_loops, "scaling": report_scaling}[what]
+                      "threads": report_threads, "loops": report_loops, "scaling": report_scaling,
+                      "front": front_bench.report_front}[what]
             print(f"## {what}\n\n{report(r)}\n", flush=True)
     return 0
 

@@ -3,11 +3,16 @@
 Overrides are the command line's `key=value` strings and a sweep job's swept values (Hydra's
 `hydra.overrides.task`). A key is named as it is written, without Hydra's `+`, `++` or `~`
 prefix: `tp`, `model`, `model.hidden_size`, `tolerance.x_out.diff_thd`.
+
+`unknown_top_level` refuses a key the run config does not have before Hydra composes: Hydra
+itself adds any `+key=value` to the config silently (`+layr=swa` would run swa), and refuses a
+plain `layr=swa` by suggesting that `+`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Collection, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -22,4 +27,19 @@ def names(keys: frozenset[str], path: str) -> bool:
     return any(path == k or path.startswith(k + ".") for k in keys)
 
 
-__all__ = ["override_keys", "names"]
+def unknown_top_level(overrides: Sequence[str], known: Collection[str]) -> str | None:
+    """Why one of `overrides` (command-line `key=value` strings, sweeps included) names a top-level
+    key or group that is not in `known`, with the nearest known name; None if every one is known.
+    A deletion (`~key`) is left to Hydra."""
+    for text, o in zip(overrides, OverridesParser.create().parse_overrides(list(overrides))):
+        if o.is_delete():
+            continue
+        top = o.key_or_group.split("/")[0].split(".")[0].split("@")[0]
+        if top not in known:
+            near = difflib.get_close_matches(top, sorted(known), n=1)
+            hint = f"did you mean {near[0]!r}?" if near else "python -m launcher --help lists the keys"
+            return f"{text}: {top!r} is not a key of the run config; {hint}"
+    return None
+
+
+__all__ = ["override_keys", "names", "unknown_top_level"]

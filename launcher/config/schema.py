@@ -3,7 +3,8 @@ before any composition.
 
 The model group's schema mirrors `layers.contract.config.ModelConfig` field for field (a frozen
 dataclass cannot be a Hydra node, and derived sizes are properties, so they can never be
-overridden); typos and wrong types fail at composition. The model group's options (`model=tiny`,
+overridden); typos and wrong types fail at composition, and a top-level key the run config does
+not have is refused before it (`top_level_names`, `launcher.config.overrides.unknown_top_level`). The model group's options (`model=tiny`,
 ...) are `layers.contract.config.PRESETS`, each stored as a node of that schema: the Python
 table is their one source, and any field can still be overridden (`model.decode_batch=32`). Turning a composed config into plain
 dataclasses is `launcher.config.spec.run_spec`'s job alone.
@@ -12,6 +13,7 @@ dataclasses is `launcher.config.spec.run_spec`'s job alone.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -57,7 +59,7 @@ class FaultSchema:
 @dataclass
 class RunSchema:
     layer: LayerSchema = MISSING
-    model: Any = MISSING
+    model: ModelSchema = MISSING  # typed here: a model YAML of one's own is checked without naming a schema
     tp: Optional[int] = None  # attention layers; null = 4
     ep: Optional[int] = None  # the MoE layer; null = 2
     dp: int = 1
@@ -98,13 +100,19 @@ class RunSchema:
     tolerance: Any = field(default_factory=lambda: DictConfig({}, flags={"struct": False}))
 
 
+def top_level_names() -> frozenset[str]:
+    """What a command-line override may name first: a key of the run config, a config group
+    (the folders of the `configs` package, `+sweep` among them), or `hydra`."""
+    groups = {p.name for p in importlib.resources.files("configs").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    return frozenset(f.name for f in dataclasses.fields(RunSchema)) | groups | {"hydra"}
+
+
 def register() -> None:
     """Everything composition needs from Python: the schemas, the model presets and the resolvers."""
     register_resolvers()
     cs = ConfigStore.instance()
+    # The layer and model nodes take their schemas from RunSchema's typed fields: no schema is a
+    # group option, which completion and "available options" would offer (`model=model_schema`).
     cs.store(name="run_schema", node=RunSchema)
-    cs.store(group="layer", name="layer_schema", node=LayerSchema)
-    # A model YAML of one's own names it in its defaults list, as the layer options do theirs.
-    cs.store(group="model", name="model_schema", node=ModelSchema)
     for name, preset in PRESETS.items():
         cs.store(group="model", name=name, node=ModelSchema(**dataclasses.asdict(preset)))

@@ -129,8 +129,12 @@ class RunSpec:
         return max(1, cpus // self.local_ranks)
 
     def case_entry(self) -> dict:
-        """result.json's `case`: what ran, as the config names it."""
-        return {**self.case.describe(), "model": self.case.model.name, "dp": self.dp, "backend": self.backend,
+        """result.json's `case`: what ran, as the config names it; a MoE case's `num_tokens`
+        as the count that ran (null in the config: all T tokens per rank)."""
+        case = self.case.describe()
+        if "num_tokens" in case:
+            case["num_tokens"] = self.case.active
+        return {**case, "model": self.case.model.name, "dp": self.dp, "backend": self.backend,
                 "impl": self.impl.get("_target_")}
 
 

@@ -42,13 +42,11 @@ import torch
 
 from launcher.config.spec import RunSpec
 from launcher.config.tolerance import fails_the_run
+from launcher.report.exit_codes import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 from launcher.report.verdict import check_name, counts_nothing, decision, integrity_failures, reference_verdict
 from launcher.run import devices
 from launcher.store import snapshot
 
-# The exit status of a run: every compared tensor passed, a mismatch, anything else (an
-# invalid config, a crashed or hung rank, an implementation that broke the contract).
-EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
 def verdict(result: dict) -> str:

@@ -15,7 +15,7 @@ each job starts and ends, and at the end of the multirun writes, into the sweep 
 * `report.html`: the same jobs as a page, each linking to its own (`launcher.report.sweep_page`);
 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
-(`launcher.cli.execute` writes one for every outcome), so a crashed job has its row too.
+(`launcher.job.execute` writes one for every outcome), so a crashed job has its row too.
 Jobs run one after another in this process (the harness's launcher,
 `hydra_plugins.dsv4_tp_harness.sweep`): each on new rank processes or on the warm ones of an
 earlier job (`launcher.run.rank_group`).
@@ -33,18 +33,16 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from layers.contract.config import ConfigError
 
 from launcher.config.slurm import node_output_dir
 from launcher.config.spec import golden_cache_of
+from launcher.config.sweep_jobs import planned_jobs
 from launcher.config.tolerance import fails_the_run
 from launcher.report import progress
 from launcher.report.console import (
@@ -254,18 +252,6 @@ def _check_properties(testcase: ET.Element, row: dict) -> None:
 SWEEP_FILE = "sweep.json"
 
 
-def planned_jobs(config: DictConfig) -> list[list[str]] | None:
-    """Each job's overrides, in job order, as the harness's sweeper (and Hydra's basic one)
-    expand this multirun (`expand_jobs`). None for another sweeper, whose jobs are not known
-    in advance."""
-    if not str(config.hydra.sweeper.get("_target_", "")).endswith(("BasicSweeper", "HarnessSweeper")):
-        return None
-    hydra = GlobalHydra.instance()  # its config loader lists a group's options for `glob(...)`
-    parser = OverridesParser.create(config_loader=hydra.config_loader() if hydra.is_initialized() else None)
-    return expand_jobs(config.hydra.sweeper.get("params") or {},
-                       list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False)), parser)
-
-
 def start_record(sweep_dir: str, jobs: list[list[str]] | None) -> str:
     """Write the sweep's record (a fresh id and its planned jobs) before any job starts; the id."""
     os.makedirs(sweep_dir, exist_ok=True)
@@ -378,7 +364,7 @@ def _write_json(path: str, data) -> None:
 
 class SweepSummary(Callback):
     """Progress lines per job and, at the end of a multirun, summary.json, junit.xml and a table,
-    all built from the files the jobs wrote. For `launcher.cli.main`: `exit_status`, the
+    all built from the files the jobs wrote. For `launcher.job.finish`: `exit_status`, the
     outcome of the last run or multirun of this process, and `unfinished_sweep`, the folder
     of a multirun that started but never reached its end (interrupted, or its Hydra launcher
     failed), whose summary main still writes."""

@@ -38,7 +38,7 @@ from launcher.run import lifeline, rank_group
 
 # The pid of the sweep's launcher process, set there before its pool starts any worker.
 SWEEP_PID_ENV = "DSV4_TP_SWEEP_PID"
-# The exit status of a job process whose job raised past `launcher.cli.execute` (which never
+# The exit status of a job process whose job raised past `launcher.job.execute` (which never
 # should): an error.
 _CRASHED = 2
 

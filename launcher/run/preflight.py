@@ -17,9 +17,9 @@ import contextlib
 import dataclasses
 import inspect
 import os
+import pkgutil
 from collections.abc import Sequence
 
-from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from layers.contract.config import ConfigError
@@ -44,7 +44,8 @@ def preflight(cfg: DictConfig, output_dir: str, overrides: Sequence[str] | None 
         with contextlib.suppress(OSError):  # unwritable: each rank's store says so, and the run goes on
             cache_dir.claim(spec.golden_cache)  # a folder that is not the harness's is refused
     if spec.save_data and spec.node_rank == 0:  # rank 0, on node 0, writes it
-        snapshot.check_save_target(spec.save_data, spec.save_overwrite, spec.golden_data)
+        snapshot.check_save_target(spec.save_data, spec.save_overwrite, spec.golden_data,
+                                   spec.layer.tensor_specs(spec.case))
     for check in spec.layer.checks(spec.case):  # a tolerance a comparator refuses, before launch
         try:
             build_comparator(spec.tolerances.apply(check)[0], mapping_shape=(spec.case.group_size, spec.case.local_t),
@@ -81,9 +82,11 @@ def implementation(impl: dict) -> dict:
     """
     target = impl["_target_"]
     try:
-        obj = get_object(target)
-    except Exception as e:  # ImportError, AttributeError, ...: all mean "cannot find it"
-        raise ConfigError(f"impl._target_={target!r} cannot be imported: {' '.join(str(e).split())}") from e
+        # Not hydra.utils.get_object: it also logs the error, which would then show twice.
+        obj = pkgutil.resolve_name(target)
+    except Exception as e:  # ImportError, AttributeError, ValueError, ...: all mean "cannot find it"
+        raise ConfigError(f"impl._target_={target!r} cannot be imported: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())}") from e
     kwargs = {k: v for k, v in impl.items() if not k.startswith("_")}
     keys = "".join(f", {k}=..." for k in kwargs)
     if inspect.isclass(obj):

@@ -249,9 +249,11 @@ def sha256(path: str) -> str:
 # -- writing ------------------------------------------------------------------------------------
 
 
-def check_save_target(directory: str, overwrite: bool, golden_data: str | None = None) -> None:
+def check_save_target(directory: str, overwrite: bool, golden_data: str | None = None,
+                      specs: dict[str, TensorSpec] | None = None) -> None:
     """Before launch: `save_data` must be a new or empty folder, or (with `save_overwrite=true`)
-    a snapshot to replace; never a file, another folder's contents or the replayed snapshot."""
+    a snapshot to replace; never a file, another folder's contents or the replayed snapshot;
+    and every name the snapshot of `specs` will write must fit the file system's limits."""
     key = f"save_data={directory}"
     if golden_data and os.path.commonpath([directory, golden_data]) == golden_data:
         raise ConfigError(f"{key} is (inside) the replayed snapshot golden_data={golden_data}")
@@ -268,6 +270,39 @@ def check_save_target(directory: str, overwrite: bool, golden_data: str | None =
     parent = _existing_ancestor(directory)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: {parent} is not writable")
+    if specs is not None:
+        _check_name_lengths(key, directory, specs, parent)
+
+
+# The sibling folders `save` builds a snapshot in and moves an earlier one aside to (TOKEN: 8 hex digits).
+def _building(parent: str, base: str, token: str) -> str:
+    return os.path.join(parent, f".{base}.partial-{token}")
+
+
+def _set_aside(parent: str, base: str, token: str) -> str:
+    return os.path.join(parent, f".{base}.old-{token}")
+
+
+def _check_name_lengths(key: str, directory: str, specs: dict[str, TensorSpec], existing: str) -> None:
+    """Every name `save` will create fits the file system's limits (NAME_MAX per name, PATH_MAX
+    per path), so that a long `save_data` is refused before launch, not by an ENAMETOOLONG
+    after the fixture and the golden ran."""
+    name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    parent, base = os.path.split(os.path.abspath(directory))
+    token = "0" * 8
+    paths = [directory, _set_aside(parent, base, token)] + [
+        path_of(_building(parent, base, token), sub, name) for sub, name, _ in _files(specs)]
+    paths.append(os.path.join(_building(parent, base, token), MANIFEST))
+    for path in paths:
+        path = os.path.abspath(path)
+        long_name = max(path.split(os.sep), key=len)
+        if len(os.fsencode(long_name)) > name_max:
+            raise ConfigError(f"{key}: the snapshot would write the name {long_name[:40]}... of "
+                              f"{len(os.fsencode(long_name))} bytes, over this file system's limit of {name_max}; "
+                              f"choose a shorter folder name")
+        if len(os.fsencode(path)) >= path_max:
+            raise ConfigError(f"{key}: the snapshot would write a path of {len(os.fsencode(path))} bytes "
+                              f"({path[:40]}...), over this file system's limit of {path_max - 1}; choose a shorter path")
 
 
 def _listing(entries: list[str], shown: int = 5) -> str:
@@ -291,7 +326,7 @@ def save(directory: str, case: Case, specs: dict[str, TensorSpec], inputs: dict,
     parent, base = os.path.split(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
     token = uuid.uuid4().hex[:8]
-    building = os.path.join(parent, f".{base}.partial-{token}")
+    building = _building(parent, base, token)
     for sub in SUBDIRS:
         os.makedirs(os.path.join(building, sub))
     try:
@@ -303,7 +338,7 @@ def save(directory: str, case: Case, specs: dict[str, TensorSpec], inputs: dict,
             hashes[f"{sub}/{name}.pt"] = sha256(path_of(building, sub, name))
         with open(os.path.join(building, MANIFEST), "w") as f:
             json.dump(sealed(_manifest(case, starts, hashes)), f, indent=1)
-        _swap_in(building, directory, os.path.join(parent, f".{base}.old-{token}"))
+        _swap_in(building, directory, _set_aside(parent, base, token))
     finally:
         shutil.rmtree(building, ignore_errors=True)
 

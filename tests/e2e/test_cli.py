@@ -84,11 +84,18 @@ def test_invalid_config_is_refused_before_launch(overrides, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_moe_runs_case_names_the_tokens_it_ran():
+    # README: num_tokens null means all 128 tokens per rank; the header and result.json say 128.
+    assert _preflight("layer=moe", "model=tiny").case_entry()["num_tokens"] == 128
+    assert _preflight("layer=moe", "model=tiny", "num_tokens=37").case_entry()["num_tokens"] == 37
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["layer=swq"], "Could not find 'layer/swq'"),
-        (["tpp=2"], "Could not override 'tpp'"),
+        (["tpp=2"], "tpp=2: 'tpp' is not a key of the run config; did you mean 'tp'?"),
+        (["model=tiny", "impl=nowhere.Impl"], "impl._target_='nowhere.Impl' cannot be imported"),  # once
         (["model.hidden_size=abc"], "could not be converted to Integer"),
         (["model=huge"], "Could not find 'model/huge'"),
         (["tp=3", "model=tiny"], "tp=3 must divide o_groups=8"),
@@ -101,9 +108,7 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path, args, message):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
     assert message in lines[0]
-    if (tmp_path / "out" / "result.json").is_file():  # refused by the preflight: the run's files are named
-        assert p.stdout.splitlines()[-1].startswith(f"run folder: {tmp_path / 'out'}; page: "), p.stdout
-    assert not (tmp_path / "out" / "logs").exists()  # nothing was launched
+    assert not (tmp_path / "out").exists()  # nothing was launched, no folder was made
 
 
 @pytest.mark.parametrize(
@@ -163,7 +168,7 @@ def test_a_sweeps_configs_print_and_exit_0(tmp_path):
 
 def test_a_sweeps_configs_with_a_bad_key_are_one_error_line(tmp_path):
     p = run_cli(["-m", "tpp=1,2", "--cfg", "job"], tmp_path, timeout=120)
-    assert p.returncode == EXIT_ERROR and p.stderr.startswith("error: Could not override 'tpp'"), p.stderr
+    assert p.returncode == EXIT_ERROR and p.stderr.startswith("error: tpp=1,2: 'tpp' is not a key"), p.stderr
     assert len(p.stderr.splitlines()) == 1 and p.stdout == "", p.stdout + p.stderr
 
 

@@ -29,14 +29,14 @@ from launcher.run import devices, slots
 from ..conftest import REPO, compose_config, multirun
 
 JOBLIB = {"_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher", "n_jobs": 2}
-BASIC = {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}
+SEQUENTIAL = {"_target_": "hydra_plugins.dsv4_tp_harness.sweep.HarnessLauncher"}  # the default: one job at a time
 
 
 # -- how many slots, and what each one holds ---------------------------------------------------
 
 
 def test_only_a_parallel_launcher_shares_the_node():
-    assert slot_count(BASIC, planned_jobs=8, n_cpus=64, n_devices=8) == 1
+    assert slot_count(SEQUENTIAL, planned_jobs=8, n_cpus=64, n_devices=8) == 1
     assert slot_count({"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"},
                       8, 64, 8) == 1
     assert slot_count(JOBLIB, planned_jobs=8, n_cpus=64, n_devices=None) == 2

@@ -20,21 +20,25 @@ from launcher.cli import basic_plugins_if_ours_are_hidden
 from ..conftest import REPO
 
 # `python -m launcher ARGS`, counting the job configs Hydra composes (its config loader's
-# load_sweep_config: the sweeper's check of each job and the launcher's run of it), in whichever
-# process composes them: one line per composition, "pid overrides", appended to a file.
+# load_sweep_config, of Hydra's public ConfigLoader interface: the sweeper's check of each job
+# and the launcher's run of it), in whichever process composes them: one line per composition,
+# "pid overrides", appended to a file. Hydra's one implementation of the interface is found as
+# its subclass, loaded with Hydra.
 _COUNTING = """
 import json, os, sys
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
+import hydra
+from hydra.core.config_loader import ConfigLoader
 
 record = sys.argv.pop(1)
-original = ConfigLoaderImpl.load_sweep_config
+(loader_class,) = ConfigLoader.__subclasses__()
+original = loader_class.load_sweep_config
 
 def counted(self, master_config, sweep_overrides):
     with open(record, "a") as f:
         f.write(f"{os.getpid()} {json.dumps(list(sweep_overrides))}\\n")
     return original(self, master_config, sweep_overrides)
 
-ConfigLoaderImpl.load_sweep_config = counted
+loader_class.load_sweep_config = counted
 sys.argv = ["launcher", *sys.argv[1:]]
 from launcher.__main__ import run
 run()

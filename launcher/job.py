@@ -1,0 +1,247 @@
+"""A run of `python -m launcher` once Hydra has composed its config: preflight, launch, report.
+
+`launcher.cli` (the command line's front door: help, --cfg, completion, composition errors)
+imports this module only when a run or a sweep starts, so that nothing that only prints or
+refuses pays for torch and the layers.
+
+A single run is checked before its output folder exists (`check_before_folder`, from the
+`launcher.cli.RunStart` callback): a refused config is one error line and no folder. A sweep's
+job is checked in its own folder, where its result.json records the refusal for the summary.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from typing import ClassVar
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from layers.contract.config import ConfigError
+
+from launcher.config.job_slot import JobSlot, job_slot, runs_in_a_pool, slot_count
+from launcher.config.slurm import node_output_dir
+from launcher.config.spec import RunSpec, config_case
+from launcher.report import console, plots, progress, sweep
+from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
+from launcher.report.result import build_result, exit_code, launcher_error, not_launched
+from launcher.report.run_page import write_result_and_page
+from launcher.run import devices, job_process, rank_group, slots
+from launcher.run.launch import launch
+from launcher.run.preflight import preflight
+from launcher.store import cache_dir
+
+# Written to the run's launcher.log only (Hydra's job logging; the console shows warnings).
+log = logging.getLogger("launcher")
+
+
+class CheckedRun:
+    """The spec a single run's preflight read before its folder was created, taken by the run
+    (Hydra calls the run-start callback, then the task function, in this process)."""
+
+    spec: ClassVar[RunSpec | None] = None
+
+
+def _message(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def check_before_folder(config: DictConfig) -> None:
+    """Preflight of a single run's composed config (with its `hydra` node), before anything is
+    written: a refusal is one error line and exit status 2, and no output folder."""
+    task_cfg = copy.deepcopy(config)
+    with open_dict(task_cfg):
+        del task_cfg["hydra"]
+    try:
+        CheckedRun.spec = preflight(task_cfg, output_dir="", overrides=list(config.hydra.overrides.task))
+    except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
+        print(f"error: {_message(e)}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR) from None
+
+
+def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides: list[str] | None = None,
+            slot: JobSlot | None = None, spec: RunSpec | None = None) -> int:
+    """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
+    that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
+    (`launcher.report.sweep.job_entry`), recorded in result.json; `overrides`: the run's
+    override strings (the keys the user gave explicitly); `slot`: the share of the node a job
+    running beside others holds (None: the whole node); `spec`: the run's spec where its
+    preflight already ran (`check_before_folder`)."""
+    t0 = time.perf_counter()
+    try:
+        return _execute(cfg, output_dir, t0, job, overrides, slot, spec)
+    except Exception as e:  # anything at all: the job is reported and the sweep goes on
+        result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
+        written, unwritten = _write(output_dir, result, job)
+        print(console.render(result))
+        print(console.where_line(output_dir, written))
+        if unwritten:
+            print(unwritten, file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _write(output_dir: str, result: dict, job: dict | None) -> tuple[dict, str | None]:
+    """Write the run's result.json and page; the result as written (as given when it could not
+    be) and None, or the error line to print when the output folder cannot take them (a full
+    disk, a read-only mount): the run is then an error, its report on the console its only record."""
+    try:
+        return write_result_and_page(output_dir, result, job), None
+    except OSError as e:
+        return result, (f"error: output folder {output_dir}: {os.path.basename(e.filename or 'result.json')} cannot "
+                        f"be written ({e.strerror or e}); the report above is this run's only record")
+
+
+def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None,
+             slot: JobSlot | None, spec: RunSpec | None) -> int:
+    log.info("command line: %s", " ".join(sys.argv[1:]))
+    if node_output_dir(output_dir, os.environ) != output_dir:
+        # Node k > 0 of a Slurm job: only node 0's result (the compared one) is the sweep job's.
+        output_dir, job = node_output_dir(output_dir, os.environ), None
+    if spec is None:
+        try:
+            spec = preflight(cfg, output_dir, overrides, slot)
+        except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
+            message = _message(e)
+            log.info("refused: %s", message)
+            print(f"error: {message}", file=sys.stderr)
+            written, unwritten = _write(output_dir, not_launched(config_case(cfg), "config-error", message,
+                                                                 wall_s=time.perf_counter() - t0, stage="config"), job)
+            if job is None:  # a sweep's job: its row in the sweep's table says it; stderr keeps its one error line
+                print(console.where_line(output_dir, written))
+            if unwritten:
+                print(unwritten, file=sys.stderr)
+            return EXIT_ERROR
+    else:
+        spec = dataclasses.replace(spec, output_dir=output_dir)
+    # The ranks append to their progress files: a folder reused from an earlier run starts empty.
+    shutil.rmtree(os.path.join(output_dir, "progress"), ignore_errors=True)
+    if spec.snapshot:
+        print(console.snapshot_line(spec.snapshot, spec.case_entry()), flush=True)
+    c = spec.case
+    size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
+    label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
+    log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, %s, output %s",
+             label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(),
+             spec.slot.describe() if spec.slot else "the whole node", output_dir)
+    if spec.bench:
+        plots.preload_in_background()
+    with progress.StageWatcher(output_dir, spec.local_ranks, label):
+        outcome = launch(spec)
+    result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
+                          wall_s=time.perf_counter() - t0)
+    if spec.report_plots:
+        result["plots"] = plots.write_plots(result, output_dir)
+    written, unwritten = _write(output_dir, result, job)
+    report = console.render(result)
+    log.info("report:\n%s", report)
+    status = EXIT_ERROR if unwritten else exit_code(result)
+    log.info("exit status %d", status)
+    if job is None or status != EXIT_PASS:  # a sweep's passing job: its one progress row says it
+        print(report)
+        print(console.where_line(output_dir, written))
+    cache_usage = cache_dir.usage_line(spec.golden_cache, spec.golden_cache_max_bytes) if job is None else None
+    if cache_usage:
+        print(cache_usage)
+    if unwritten:
+        print(unwritten, file=sys.stderr)
+    if outcome.interrupted:  # stop here, a sweep included, with the shell's 128 + signal status
+        raise SystemExit(128 + outcome.interrupted)
+    return status
+
+
+def run_job(cfg: DictConfig, hydra_cfg) -> int:
+    """Hydra's task: the run, or one job of a multirun (`hydra_cfg`: Hydra's runtime config)."""
+    output_dir = hydra_cfg.runtime.output_dir
+    overrides = list(hydra_cfg.overrides.task)
+    if hydra_cfg.mode.name != "MULTIRUN":
+        spec, CheckedRun.spec = CheckedRun.spec, None
+        return execute(cfg, output_dir, overrides=overrides, spec=spec)
+    num = int(hydra_cfg.job.num)
+    job = sweep.job_entry(hydra_cfg.sweep.dir, num, overrides)
+    if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
+        # Not counted in the exit status: the job that did not pass already decides it.
+        message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
+        write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
+        return EXIT_ERROR
+    return _execute_sweep_job(cfg, output_dir, job, overrides, hydra_cfg)
+
+
+def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], hydra_cfg) -> int:
+    """A sweep's job; under a launcher that runs the jobs in a pool of worker processes, in the
+    worker's job process (`launcher.run.job_process`): its death is its own ERROR, not the pool's."""
+    sweep_dir, launcher = str(hydra_cfg.sweep.dir), OmegaConf.to_container(hydra_cfg.launcher)
+    if not runs_in_a_pool(launcher):
+        return _execute_in_slot(cfg, output_dir, job, overrides, sweep_dir, launcher)
+    job_process.die_with_sweep()
+    t0 = time.perf_counter()
+    status, how = job_process.JOB_PROCESS.run(_execute_in_slot, cfg, output_dir, job, overrides, sweep_dir, launcher)
+    written = _result_of(output_dir, job)
+    if written is None:
+        message = (f"the job's process {how} before it wrote its result (a signal, the OOM killer, or an "
+                   f"implementation that ended it); its ranks ended with it")
+        written = write_result_and_page(output_dir, not_launched(config_case(cfg), "error", message, stage="launcher",
+                                                                 wall_s=time.perf_counter() - t0), job)
+        print(console.render(written))
+    if status in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # interrupted: the sweep stops, as it would here
+        raise SystemExit(status)
+    return exit_code(written) if status is None else status
+
+
+def _result_of(output_dir: str, job: dict) -> dict | None:
+    """The result.json this sweep job wrote into `output_dir`, if it did."""
+    try:
+        with open(os.path.join(output_dir, "result.json")) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result if result.get("job") == job else None
+
+
+def _execute_in_slot(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], sweep_dir: str,
+                     launcher: dict) -> int:
+    """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
+    this node (`launcher.config.job_slot`), else with the whole node."""
+    cpus = devices.cpu_affinity()
+    planned = (sweep.read_record(sweep_dir) or {}).get("jobs")
+    planned_n = len(planned) if planned is not None else None
+    if cpus is None or slot_count(launcher, planned_n, len(cpus), None) == 1:
+        return execute(cfg, output_dir, job, overrides)
+    try:
+        device_env, node_devices = devices.node_devices()
+    except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a job without a result
+        write_result_and_page(output_dir, launcher_error(config_case(cfg), e, wall_s=0.0), job)
+        return EXIT_ERROR
+    count = slot_count(launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
+    # Held until the job's result is written; released whatever happens, the job's death included.
+    with slots.claim(os.path.abspath(sweep_dir), count, job["num"]) as index:
+        return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env))
+
+
+def finish(code) -> int:
+    """The process's exit status once a run or a multirun started, from the files the run or
+    the sweep's jobs wrote; the warm ranks a sweep's last jobs left are closed, and no outcome
+    of this run is left for a later one in this process.
+
+    `code`: how Hydra's application ended (None: normally; 128 + a signal: interrupted; else
+    Hydra's own error exit). A multirun that never reached its end still gets its summary:
+    interrupted, its unfinished jobs are skips and the status is the signal's; stopped by an
+    error (a Hydra launcher that failed), the status is at least an error.
+    """
+    rank_group.POOL.close()
+    unfinished, status = sweep.SweepSummary.unfinished_sweep, sweep.SweepSummary.exit_status
+    sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = CheckedRun.spec = None
+    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    if unfinished is not None:
+        summary = sweep.write_summary(unfinished, interrupted=interrupted)
+        return code if interrupted else max(summary, EXIT_ERROR)
+    if code:
+        return code if isinstance(code, int) else EXIT_ERROR
+    return EXIT_PASS if status is None else status
