@@ -16,6 +16,7 @@ a sweep starts.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import string
@@ -157,7 +158,7 @@ def main() -> None:
         sys.exit(_print_sweep_configs(sys.argv[1:]))
     if _print_help(sys.argv[1:]):
         sys.exit(EXIT_PASS)
-    sys.argv += basic_plugins_if_ours_are_hidden(sys.argv[1:])
+    show_our_plugins_to_hydra()
     progress.hold_stderr_while_composing()
     code = None
     try:
@@ -177,23 +178,20 @@ def main() -> None:
     sys.exit(final_status(code))
 
 
-def basic_plugins_if_ours_are_hidden(argv: list[str]) -> list[str]:
+def show_our_plugins_to_hydra() -> None:
     """Hydra finds plugins by walking the `hydra_plugins` namespace's folders. An editable
-    install in setuptools' strict mode (`pip install -e .`) serves the namespace through an
-    import hook that Hydra's walk cannot list, so the harness's sweeper and launcher
-    (`hydra_plugins.dsv4_tp_harness`) would be unknown to it: a multirun then takes Hydra's
-    basic pair (the same jobs, composed twice), with a warning saying how to get ours."""
-    if not any(a in ("-m", "--multirun") for a in argv) or any(
-            os.path.isfile(os.path.join(p, "dsv4_tp_harness", "sweep.py")) for p in hydra_plugins.__path__):
-        return []
-    chosen = {a.split("=", 1)[0].lstrip("+~") for a in argv}
-    basic = [f"{group}=basic" for group in ("hydra/sweeper", "hydra/launcher") if group not in chosen]
-    if basic:
-        print("warning: Hydra cannot see the harness's sweeper plugin (an editable install in setuptools' strict "
-              "mode hides it): this sweep uses Hydra's basic sweeper and launcher, which compose every job twice; "
-              "`pip install -e . --config-settings editable_mode=compat` (or `pip install .`) makes it visible",
-              file=sys.stderr)
-    return basic
+    install (`pip install -e .`) serves our part of the namespace through setuptools' import
+    hook, which that walk cannot list: the harness's sweeper and launcher
+    (`hydra_plugins.dsv4_tp_harness`) would be unknown to Hydra, and a sweep would take Hydra's
+    basic pair, which composes every job twice. The folder our package sits in joins the
+    namespace's folders, where the walk finds it."""
+    if any(os.path.isfile(os.path.join(p, "dsv4_tp_harness", "sweep.py")) for p in hydra_plugins.__path__):
+        return
+    spec = importlib.util.find_spec("hydra_plugins.dsv4_tp_harness")
+    if spec is None or spec.origin is None:
+        return
+    # A list, not the namespace's live path: the folder stays whatever the import system recomputes.
+    hydra_plugins.__path__ = [*hydra_plugins.__path__, os.path.dirname(os.path.dirname(spec.origin))]
 
 
 def _print_help(argv: list[str]) -> bool:

@@ -1,12 +1,13 @@
 """The harness's sweeper and launcher (`hydra_plugins.dsv4_tp_harness.sweep`), the default of
 `python -m launcher -m`: the basic pair's jobs in the basic pair's order, each job's config
 composed once instead of twice, a job that cannot be composed still refusing the whole sweep
-before any job runs; and where Hydra cannot see them, the basic pair with a warning."""
+before any job runs; and shown to Hydra where an editable install hides them."""
 
 from __future__ import annotations
 
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import pytest
 from hydra.errors import HydraException
 
 from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
-from launcher.cli import basic_plugins_if_ours_are_hidden
+from launcher.cli import show_our_plugins_to_hydra
 
 from ..conftest import REPO
 
@@ -148,11 +149,16 @@ def test_the_basic_sweepers_jobs_in_its_order():
         expand_jobs({}, ["seed=interval(0,1)"])
 
 
-def test_where_hydra_cannot_see_our_plugins_a_sweep_takes_the_basic_pair(monkeypatch, capsys):
-    assert basic_plugins_if_ours_are_hidden(["-m", "layer=swa,csa"]) == []  # this checkout: visible
-    monkeypatch.setattr(hydra_plugins, "__path__", ["__editable__.dsv4_tp_harness-0.1.0.finder.__path_hook__"])
-    assert basic_plugins_if_ours_are_hidden(["layer=swa"]) == []  # not a sweep: no sweeper needed
-    assert basic_plugins_if_ours_are_hidden(["-m", "layer=swa,csa"]) == ["hydra/sweeper=basic", "hydra/launcher=basic"]
-    assert "editable_mode=compat" in capsys.readouterr().err
-    # A launcher the user chose stays theirs.
-    assert basic_plugins_if_ours_are_hidden(["--multirun", "hydra/launcher=joblib", "tp=1,2"]) == ["hydra/sweeper=basic"]
+def test_where_the_namespace_hides_our_plugins_hydra_is_shown_them(monkeypatch):
+    """An editable install serves `hydra_plugins.dsv4_tp_harness` through an import hook that
+    Hydra's plugin walk cannot list (its folder is a placeholder on the namespace's path)."""
+    hook = "__editable__.dsv4_tp_harness-0.1.0.finder.__path_hook__"
+    monkeypatch.setattr(hydra_plugins, "__path__", [hook])
+    assert "dsv4_tp_harness" not in {m.name for m in pkgutil.iter_modules(hydra_plugins.__path__)}
+    show_our_plugins_to_hydra()
+    assert "dsv4_tp_harness" in {m.name for m in pkgutil.iter_modules(hydra_plugins.__path__)}
+    assert hook in hydra_plugins.__path__  # the other plugins' folders stay
+    shown = list(hydra_plugins.__path__)
+    show_our_plugins_to_hydra()  # already visible: nothing added twice
+    assert list(hydra_plugins.__path__) == shown
+
