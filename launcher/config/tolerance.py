@@ -34,8 +34,8 @@ from layers.contract.config import TINY, ConfigError
 from layers.registry import ATTENTION, LAYERS, SCOPES, get_scope
 
 from launcher.config.overrides import names
+from launcher.config.verdict_words import DIAGNOSTIC
 
-DIAGNOSTIC = "diagnostic"
 PROFILE = "profile"
 MULTI_RANK = "multi_rank"
 
@@ -78,11 +78,6 @@ def known_tensors() -> dict[str | None, dict[str, frozenset[str]]]:
                 for key in (None, layer):
                     known[key].setdefault(check.output, set()).update(tolerance_params(check))
     return {k: {t: frozenset(p) for t, p in v.items()} for k, v in known.items()}
-
-
-def fails_the_run(verdict: dict) -> bool:
-    """A verdict that decides the run: failed, and not made diagnostic."""
-    return not verdict["passed"] and not verdict.get(DIAGNOSTIC)
 
 
 def _valid(options) -> str:
@@ -168,4 +163,4 @@ def read_tolerances(node: DictConfig | dict | None, case: Case | MoECase, explic
                       diagnostic=frozenset(diagnostic), not_applied=tuple(sorted(not_applied)))
 
 
-__all__ = ["Tolerances", "read_tolerances", "known_tensors", "fails_the_run"]
+__all__ = ["Tolerances", "read_tolerances", "known_tensors"]

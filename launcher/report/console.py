@@ -18,7 +18,6 @@ import os
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.report.result import verdict, verdict_pair
 from launcher.report.verdict import check_names, decision, line as verdict_line
-from launcher.verify.bisect import render as render_bisect
 
 
 def fmt(v) -> str:
@@ -174,6 +173,8 @@ def render(result: dict) -> str:
         lines += _integrity_lines(result["integrity"])
     lines.append(verdict_pair(result))
     if result.get("bisect"):
+        from launcher.verify.bisect import render as render_bisect  # imports torch: only a bisected run's
+
         lines += render_bisect(result["bisect"]).splitlines()
     lines.append(f"VERDICT: {verdict_line(decision(result, verdict(result)))} ({result['wall_s']:.1f}s)")
     return "\n".join(lines)

@@ -37,15 +37,14 @@ import os
 import platform
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
-import torch
-
-from launcher.config.spec import RunSpec
-from launcher.config.tolerance import fails_the_run
+from launcher.config.verdict_words import fails_the_run
 from launcher.report.exit_codes import EXIT_ERROR, EXIT_FAIL, EXIT_PASS
 from launcher.report.verdict import check_name, counts_nothing, decision, integrity_failures, reference_verdict
-from launcher.run import devices
-from launcher.store import snapshot
+
+if TYPE_CHECKING:
+    from launcher.config.spec import RunSpec
 
 
 
@@ -74,6 +73,12 @@ SCHEMA_VERSION = 1
 def provenance() -> dict:
     """What produced a record, for reading it later: the layout's version, when (UTC), the
     tool's and torch's versions (torch_npu's and CUDA's where present) and the host."""
+    # Imported here: reading a result (`launcher.compare`) must not pay for torch; writing one
+    # runs where torch is loaded already.
+    import torch
+
+    from launcher.store import snapshot
+
     record = {"schema_version": SCHEMA_VERSION,
               "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "tool_version": snapshot.tool_version(), "torch": torch.__version__}
@@ -113,6 +118,8 @@ def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None,
     """The result of a launched run. `rank_result`: what this node's comparing rank returned
     (`launcher.run.worker.rank_main`; None when a rank failed); `error`: the root-cause rank's
     failure (`launcher.run.launch.RankFailure`, as a dict) or None."""
+    from launcher.run import devices  # imports torch: a run's, never a reader's (see `provenance`)
+
     backend = devices.resolve_backend(spec.backend)
     result = {
         "case": spec.case_entry(),

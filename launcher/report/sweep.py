@@ -41,9 +41,8 @@ from omegaconf.errors import OmegaConfBaseException
 from layers.contract.config import ConfigError
 
 from launcher.config.slurm import node_output_dir
-from launcher.config.spec import golden_cache_of
 from launcher.config.sweep_jobs import planned_jobs
-from launcher.config.tolerance import fails_the_run
+from launcher.config.verdict_words import fails_the_run
 from launcher.report import progress
 from launcher.report.console import (
     case_columns, comparator_text, fmt, starts_text, table_lines, varied_columns, varying_keys,
@@ -424,6 +423,8 @@ class SweepSummary(Callback):
         SweepSummary.unfinished_sweep = None
         progress.SWEEP = None
         with contextlib.suppress(ConfigError, OmegaConfBaseException):  # a cap every job refused already
+            from launcher.config.spec import golden_cache_of  # imports torch: a sweep's end, never compare's
+
             cache_usage = cache_dir.usage_line(*golden_cache_of(config))  # once a sweep, not once a job
             if cache_usage:
                 print(cache_usage)

@@ -16,7 +16,7 @@ import os
 import sys
 
 from launcher.report import svg
-from launcher.config.tolerance import fails_the_run
+from launcher.config.verdict_words import fails_the_run
 from launcher.report.console import case_columns, fmt, starts_text, varied_columns, varying_keys
 from launcher.report.verdict import integrity_failures
 from launcher.report.page import Raw, badge, document, esc, link, relative, svg_figure, table, write

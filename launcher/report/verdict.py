@@ -25,8 +25,7 @@ the run page and in JUnit: `FAIL by integrity (kv_cache cap); reference PASS`,
 
 from __future__ import annotations
 
-from launcher.config.tolerance import fails_the_run
-from launcher.verify.integrity import CHECKS
+from launcher.config.verdict_words import CHECKS, fails_the_run
 
 
 def integrity_failures(result: dict) -> list[dict]:

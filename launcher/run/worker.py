@@ -54,7 +54,7 @@ from layers.distributed import wire
 from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
-from launcher.config.tolerance import fails_the_run
+from launcher.config.verdict_words import fails_the_run
 from launcher.run import bench, devices, faults, forkserver, golden_guard, judging, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.run.rank_data import cached_golden, cached_group_golden, rank_inputs

@@ -77,6 +77,7 @@ import torch
 
 from layers.contract.checks import Check, PoolCheck, RelDiffCheck
 
+from launcher.config.verdict_words import CHECKS
 from launcher.verify.base import MAX_EXAMPLES, initial_key, unravel
 from launcher.verify.pool import unchanged_rows
 from launcher.verify.ratio import ratio_reldiff
@@ -89,8 +90,6 @@ STALE_KEPT_FACTOR = 8  # an old value kept counts beyond this many tolerances fr
 CONCENTRATION_FACTOR = 10  # a unit's bad fraction, in multiples of the tensor's
 CONCENTRATION_FLOOR = 0.25  # ... and at least this share of the unit's points
 CONCENTRATION_MIN_BAD = 8  # ... and at least this many of them
-
-CHECKS = ("written_rows", "stale_values", "finite", "cap", "concentration")
 
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

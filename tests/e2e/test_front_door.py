@@ -51,6 +51,15 @@ def test_what_only_prints_or_refuses_never_imports_torch(tmp_path, args, env, co
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
+def test_compare_reads_results_without_importing_torch(tmp_path):
+    # compare reads result.json files: it has nothing to compute with torch or a layer.
+    run = run_cli(["layer=swa", "tp=2", "model=tiny", "golden_cache=null"], tmp_path, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    p = _launcher([str(tmp_path / "out"), str(tmp_path / "out")], tmp_path, module="launcher.compare")
+    assert p.returncode == 0 and "1 matched, 0 regressed" in p.stdout, p.stdout + "\n".join(_said(p.stderr))
+    assert not _imported(p.stderr) & set(HEAVY), sorted(_imported(p.stderr) & set(HEAVY))
+
+
 def test_help_is_the_page_hydra_prints(tmp_path):
     # --help composes once and prints the template; with --resolve Hydra prints it itself.
     ours, hydras = _launcher(["--help"], tmp_path), _launcher(["--help", "--resolve"], tmp_path)
