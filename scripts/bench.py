@@ -48,8 +48,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # front_bench.py, beside this file, however this file was loaded
 
-import front_bench  # noqa: E402 (scripts/, beside this file)
+import front_bench  # noqa: E402
 
 CORES = os.cpu_count() or 1
 MB = 2**20
