@@ -166,6 +166,9 @@ def run_job(cfg: DictConfig, hydra_cfg) -> int:
         return execute(cfg, output_dir, overrides=overrides, spec=spec)
     num = int(hydra_cfg.job.num)
     job = sweep.job_entry(hydra_cfg.sweep.dir, num, overrides)
+    # In the process that runs the job's launch (the sweep's launcher, a pool's worker, a
+    # Slurm task): interrupted before its result, the job reads as one that ran.
+    sweep.mark_started(output_dir, job)
     if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
         # Not counted in the exit status: the job that did not pass already decides it.
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
@@ -232,8 +235,9 @@ def finish(code) -> int:
 
     `code`: how Hydra's application ended (None: normally; 128 + a signal: interrupted; else
     Hydra's own error exit). A multirun that never reached its end still gets its summary:
-    interrupted, its unfinished jobs are skips and the status is the signal's; stopped by an
-    error (a Hydra launcher that failed), the status is at least an error.
+    interrupted, the jobs it never started are skips, those it stopped errors, and the status
+    is the signal's; stopped by an error (a Hydra launcher that failed), the status is at least
+    an error.
     """
     rank_group.POOL.close()
     unfinished, status = sweep.SweepSummary.unfinished_sweep, sweep.SweepSummary.exit_status

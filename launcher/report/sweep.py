@@ -274,39 +274,62 @@ def job_entry(sweep_dir: str, num: int, overrides: list[str]) -> dict:
     return {"num": num, "overrides": overrides, "sweep_id": record.get("id")}
 
 
-def _results(sweep_dir: str, sweep_id: str | None) -> dict[int, tuple[str, dict]]:
-    """Job number -> (output folder, result) of every result.json this sweep's jobs wrote
-    (results a reused sweep folder holds from an earlier sweep carry another id)."""
+STARTED_FILE = "started.json"
+
+
+def mark_started(output_dir: str, job: dict) -> None:
+    """Record in a job's folder, as the job starts, that this sweep's job `job` (its
+    `job_entry`) started: interrupted before its result, it is a job that ran, not one never run."""
+    os.makedirs(output_dir, exist_ok=True)
+    _write_json(os.path.join(output_dir, STARTED_FILE), job)
+
+
+def _job_files(sweep_dir: str, sweep_id: str | None, name: str) -> dict[int, tuple[str, dict]]:
+    """Job number -> (output folder, contents) of every `name` file this sweep's jobs wrote (a
+    reused sweep folder's files from an earlier sweep carry another id): a result.json holds
+    its job's entry under "job", a started.json is one."""
     found: dict[int, tuple[str, dict]] = {}
     for folder, dirs, files in os.walk(sweep_dir):
         dirs[:] = [d for d in dirs if d not in ("logs", "progress", ".submitit")]
-        if "result.json" not in files:
+        if name not in files:
             continue
         try:
-            with open(os.path.join(folder, "result.json")) as f:
-                result = json.load(f)
+            with open(os.path.join(folder, name)) as f:
+                data = json.load(f)
         except (OSError, ValueError):
             continue
-        job = result.get("job") or {}
+        job = (data.get("job") if name == "result.json" else data) or {}
         if job.get("sweep_id") == sweep_id and isinstance(job.get("num"), int):
-            found[job["num"]] = (folder, result)
+            found[job["num"]] = (folder, data)
     return found
+
+
+def _results(sweep_dir: str, sweep_id: str | None) -> dict[int, tuple[str, dict]]:
+    """Job number -> (output folder, result) of every result.json this sweep's jobs wrote."""
+    return _job_files(sweep_dir, sweep_id, "result.json")
 
 
 def collect_rows(sweep_dir: str, interrupted: bool = False,
                  check: Callable[[str, dict], None] | None = None) -> list[dict]:
     """One row per job of the sweep in `sweep_dir`, from the files its jobs wrote, whichever
-    launcher ran them and wherever: a planned job without a result is an ERROR row, or a SKIP
-    when the sweep was interrupted before it ran. `check(result_path, result)` sees each result
-    before it is read (and may raise: a reader that refuses another layout)."""
+    launcher ran them and wherever: a planned job without a result is an ERROR row, or, when
+    the sweep was interrupted, a SKIP if it never started (`mark_started`: one that did ran and
+    was interrupted, an ERROR). `check(result_path, result)` sees each result before it is
+    read (and may raise: a reader that refuses another layout)."""
     record = read_record(sweep_dir) or {}
     found = _results(sweep_dir, record.get("id"))
+    started = _job_files(sweep_dir, record.get("id"), STARTED_FILE) if interrupted else {}
     planned = record.get("jobs")
     # A rerun's jobs keep the numbers they had in the sweep it reruns (`launcher.sweep.rerun`).
     numbers = record.get("numbers") or (range(len(planned)) if planned is not None else sorted(found))
     rows = []
     for i, num in enumerate(numbers):
         folder, result = found.get(num, (None, None))
+        if result is None and num in started:
+            row = job_row(num, planned[i], started[num][0], None)
+            row["message"] = "interrupted while it ran: the sweep was stopped before the job wrote its result"
+            rows.append(row)
+            continue
         if result is None and interrupted:
             rows.append({"job": num, "overrides": planned[i], "output_dir": "-", "status": "skipped",
                          "verdict": "SKIP", "exit_code": EXIT_CODES["SKIP"], "passed": False, "wall_s": None, "failed_tensors": [], "tensor": None,

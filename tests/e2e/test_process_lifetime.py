@@ -155,16 +155,37 @@ def test_a_frozen_rank_is_killed_and_named(tmp_path, tp, rank, stage, why):
     assert_no_process_left(proc.pid)
 
 
-def start_joblib_sweep(sweep_dir: Path) -> subprocess.Popen:
-    """A joblib sweep whose first two jobs (running at once) hang in their layer stage, and a
-    third that waits for a free worker."""
+def start_sweep(sweep_dir: Path, *args: str) -> subprocess.Popen:
+    """A sweep whose jobs hang in rank 1's layer stage, with `args` (its launcher, its jobs)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "launcher", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "layer=swa",
-         "model=tiny", "tp=2", "timeout_s=120", "fault.kind=hang", "fault.rank=1", "seed=1,2,3",
-         f"hydra.sweep.dir={sweep_dir}"],
+        [sys.executable, "-m", "launcher", "-m", "layer=swa", "model=tiny", "tp=2", "timeout_s=120", "fault.kind=hang",
+         "fault.rank=1", *args, f"hydra.sweep.dir={sweep_dir}"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True,
     )
+
+
+def start_joblib_sweep(sweep_dir: Path) -> subprocess.Popen:
+    """A joblib sweep whose first two jobs (running at once) hang in their layer stage, and a
+    third that waits for a free worker."""
+    return start_sweep(sweep_dir, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=1,2,3")
+
+
+def assert_interrupted_summary(proc: subprocess.Popen, sweep_dir: Path, ran: set[int], n_jobs: int) -> None:
+    """Exit status 128 + SIGTERM and a summary in which the jobs in `ran` (started, then
+    interrupted) are errors that say so, and the others skips never run."""
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout.decode() + stderr.decode()
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["n_jobs"] == n_jobs, summary
+    assert (summary["passed"], summary["errors"], summary["skipped"]) == (0, len(ran), n_jobs - len(ran)), summary
+    for row in summary["jobs"]:
+        if row["job"] in ran:
+            assert row["verdict"] == "ERROR" and "interrupted" in row["message"], row
+            assert "not run" not in row["message"], row
+        else:
+            assert (row["verdict"], row["message"]) == ("SKIP", "not run: the sweep was interrupted"), row
+    assert (sweep_dir / "junit.xml").is_file()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
@@ -177,10 +198,18 @@ def test_killing_a_joblib_sweep_leaves_nothing(tmp_path, sig):
     descendants = set(session_processes(proc.pid)) - {proc.pid}
     assert len(descendants) >= 2 * 2 + 2, descendants  # at least both jobs' ranks and their workers
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=60)
+    if sig == signal.SIGTERM:  # an interruption, reported as one: jobs 0 and 1 ran, job 2 never started
+        assert_interrupted_summary(proc, sweep_dir, ran={0, 1}, n_jobs=3)
+    else:
+        proc.communicate(timeout=60)
     assert_no_process_left(proc.pid)  # every descendant was in the sweep's session
-    if sig == signal.SIGTERM:  # an interruption, reported as one: the summary says what ran and what did not
-        assert proc.returncode == 128 + signal.SIGTERM, stdout.decode() + stderr.decode()
-        summary = json.loads((sweep_dir / "summary.json").read_text())
-        assert summary["interrupted"] is True and summary["n_jobs"] == 3, summary
-        assert summary["passed"] == 0 and (sweep_dir / "junit.xml").is_file(), summary
+
+
+def test_sigterm_of_a_sweep_under_the_harness_launcher_reports_the_running_job(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = start_sweep(sweep_dir, "seed=1,2")  # the harness's own launcher: one job at a time
+    wait_for_events(sweep_dir / "0", {1: ("layer", "start")})
+    proc.send_signal(signal.SIGTERM)
+    assert_interrupted_summary(proc, sweep_dir, ran={0}, n_jobs=2)
+    assert_no_process_left(proc.pid)
+
