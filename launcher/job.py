@@ -183,7 +183,6 @@ def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: l
     sweep_dir, launcher = str(hydra_cfg.sweep.dir), OmegaConf.to_container(hydra_cfg.launcher)
     if not runs_in_a_pool(launcher):
         return _execute_in_slot(cfg, output_dir, job, overrides, sweep_dir, launcher)
-    job_process.die_with_sweep()
     t0 = time.perf_counter()
     status, how = job_process.JOB_PROCESS.run(_execute_in_slot, cfg, output_dir, job, overrides, sweep_dir, launcher)
     written = _result_of(output_dir, job)

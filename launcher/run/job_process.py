@@ -12,13 +12,16 @@ how the job's process ended, and takes the next job.
 
 Each link dies with the one above it (`launcher.run.lifeline`): the worker with the sweep's
 launcher, even SIGKILLed (`SWEEP_PID_ENV`: loky starts its workers from the launcher, which
-names itself here), and the job process with the worker. SIGTERM or SIGINT of the sweep's
-launcher, which runs no job itself, stops the sweep as an interruption (`PooledSweep`): joblib
-kills its workers, with their jobs, and the summary is written.
+names itself here), armed as the worker starts (loky's initializer: a worker that never got a
+job would otherwise outlive it until loky's idle timeout), and the job process with the
+worker. SIGTERM or SIGINT of the sweep's launcher, which runs no job itself, stops the sweep as
+an interruption (`PooledSweep`): joblib kills its workers, with their jobs, and the summary is
+written.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import pickle
@@ -48,15 +51,11 @@ def name_sweep_process() -> None:
     os.environ[SWEEP_PID_ENV] = str(os.getpid())
 
 
-_ARMED = []  # whether this worker dies with the sweep's launcher yet
-
-
 def die_with_sweep() -> None:
-    """In a pool worker: be killed when the sweep's launcher ends (armed once per worker)."""
+    """In a pool worker, as it starts: be killed when the sweep's launcher ends."""
     parent = os.environ.get(SWEEP_PID_ENV)
-    if parent is not None and not _ARMED:
+    if parent is not None:
         lifeline.die_with_parent(int(parent))
-        _ARMED.append(True)
 
 
 class JobProcess:
@@ -151,9 +150,9 @@ def _interrupt(signum, frame):
 
 class PooledSweep(Callback):
     """In the launcher of a sweep whose jobs run in a pool of workers: names the process its
-    workers die with, and makes SIGTERM and SIGINT end the sweep as an interruption (exit
-    status 128 + the signal, with its summary: `launcher.cli.final_status`) rather than end
-    the process where it stands (SIGTERM) or with a traceback (SIGINT)."""
+    workers die with (each from its start), and makes SIGTERM and SIGINT end the sweep as an
+    interruption (exit status 128 + the signal, with its summary: `launcher.cli.final_status`)
+    rather than end the process where it stands (SIGTERM) or with a traceback (SIGINT)."""
 
     def __init__(self) -> None:
         self._previous: dict[int, Any] = {}
@@ -161,9 +160,23 @@ class PooledSweep(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if runs_in_a_pool(config.hydra.launcher):
             name_sweep_process()
+            _arm_workers_at_start(True)
             self._previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._previous:
+            _arm_workers_at_start(False)
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
+
+
+def _arm_workers_at_start(on: bool) -> None:
+    """Make every loky worker of this process's pools die with it from the worker's start
+    (`die_with_sweep` as loky's initializer), not from its first job; `on=False` restores
+    joblib's own loky backend. Hydra's joblib launcher names the backend "loky" (always)."""
+    from joblib import register_parallel_backend  # here: only a pool's sweep has joblib installed
+    from joblib.parallel import LokyBackend
+
+    armed = functools.partial(LokyBackend, initializer=die_with_sweep)
+    register_parallel_backend("loky", armed if on else LokyBackend)

@@ -213,3 +213,36 @@ def test_sigterm_of_a_sweep_under_the_harness_launcher_reports_the_running_job(t
     assert_interrupted_summary(proc, sweep_dir, ran={0}, n_jobs=2)
     assert_no_process_left(proc.pid)
 
+
+def loky_workers(launcher: int) -> set[int]:
+    """The launcher's children that are loky workers (loky starts each as a fresh interpreter)."""
+    workers = set()
+    for pid in session_processes(launcher):
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if ppid == launcher and b"popen_loky" in cmdline:
+            workers.add(pid)
+    return workers
+
+
+def test_sigkill_of_a_joblib_sweep_ends_its_idle_workers(tmp_path):
+    # Four workers for two jobs: two of them never get a job, and must end with the launcher
+    # all the same, not at loky's idle timeout minutes later.
+    sweep_dir = tmp_path / "sweep"
+    proc = start_sweep(sweep_dir, "hydra/launcher=joblib", "hydra.launcher.n_jobs=4", "seed=1,2")
+    for job in ("0", "1"):
+        wait_for_events(sweep_dir / job, {1: ("layer", "start")})
+    assert len(loky_workers(proc.pid)) == 4, loky_workers(proc.pid)  # loky starts all of them at once
+    recorded = set(session_processes(proc.pid)) - {proc.pid}
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30  # a safety net: the kernel ends them as the launcher ends
+    while (left := recorded & set(session_processes(proc.pid))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:  # not left to linger on this machine for minutes
+        os.kill(pid, signal.SIGKILL)
+    assert left == set()
+    proc.communicate(timeout=10)  # no process holds the sweep's pipes
