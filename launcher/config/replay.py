@@ -6,7 +6,9 @@ num_tokens in place of tp, local_t and start positions) into `SnapshotFacts`, ea
 the file it comes from. `replayed_case` takes every fact in place of the config's value; a key
 the user gave explicitly must agree with the snapshot, or the run is refused with one line
 naming the key, both values and the file. Keys the snapshot does not fix (a scope snapshot's
-layer, a reference snapshot's seed) keep the config's value.
+layer) keep the config's value, except the seed: a snapshot that records none (the
+reference's) gives every input, so no seed plays a part and the case's seed is None, shown as
+`seed=-`, never the config's default as if it were the snapshot's.
 
 A key is given explicitly when it is one of the run's overrides (the command line, a sweep's
 parameters; `given_keys`), and `local_t` / `start_pos` also when a config group set them to
@@ -137,6 +139,11 @@ def _field_overrides(model: ModelConfig, given: frozenset[str]) -> dict[str, Any
     return {k.split(".", 1)[1]: getattr(model, k.split(".", 1)[1]) for k in given if k.startswith("model.")}
 
 
+def _seed(case: Case | MoECase, facts: SnapshotFacts, given: frozenset[str]) -> int | None:
+    """The snapshot's seed; None where it records none (a given seed is then no part of the run)."""
+    return None if facts.seed is None else _agreed("seed", case.seed, facts, given)
+
+
 def _read(facts: SnapshotFacts) -> tuple[str, ...]:
     read = [k for k in CASE_KEYS if k != "model" and facts.get(k) is not None]
     if facts.model is not None or facts.model_fields:
@@ -146,7 +153,8 @@ def _read(facts: SnapshotFacts) -> tuple[str, ...]:
 
 def _replayed_moe_case(case: MoECase, facts: SnapshotFacts, given: frozenset[str]) -> tuple[MoECase, tuple[str, ...]]:
     """The MoE case of a replay: ep, layer_id, num_tokens, seed and model from the snapshot."""
-    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("ep", "layer_id", "num_tokens", "seed")}
+    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("ep", "layer_id", "num_tokens")}
+    values["seed"] = _seed(case, facts, given)
     model = _model(case.model, facts, given, _field_overrides(case.model, given))
     return dataclasses.replace(case, model=model, **values), _read(facts)
 
@@ -158,7 +166,8 @@ def replayed_case(case: Case | MoECase, facts: SnapshotFacts, given: frozenset[s
     tp)` is the config's default, for a snapshot that holds no local_t."""
     if isinstance(case, MoECase):
         return _replayed_moe_case(case, facts, given)
-    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("layer", "scope", "tp", "seed")}
+    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("layer", "scope", "tp")}
+    values["seed"] = _seed(case, facts, given)
     model = _model(case.model, facts, given, _field_overrides(case.model, given))
     if facts.local_t is not None:
         if "local_t" in given and case.local_t != facts.local_t.value:

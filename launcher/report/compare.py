@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.report.console import fmt, table_lines
+from launcher.report.console import fmt, seed_text, table_lines
 from launcher.report.result import SCHEMA_VERSION, verdict
 from launcher.report.sweep import collect_rows, job_row
 
@@ -56,9 +56,14 @@ class Job:
     errors: dict[str, float | None] = field(default_factory=dict)  # "tensor" or "group g/tensor" -> max |diff|
     bench_median_s: float | None = None
     message: str = ""
+    # Its null seed is a value, not a key left unknown: it replayed a snapshot that records
+    # none, so it matches only a job that did the same, never a seeded run of the same dims.
+    seedless: bool = False
 
     def key(self) -> tuple:
-        return tuple(_hashable(self.case.get(k)) for k in CASE_KEYS) if self.case else ()
+        if not self.case:
+            return ()
+        return tuple("-" if k == "seed" and self.seedless else _hashable(self.case.get(k)) for k in CASE_KEYS)
 
 
 def _hashable(v):
@@ -88,7 +93,8 @@ def job_of(label: str, result: dict | None, message: str = "") -> Job:
     bench = result.get("bench") or {}
     row = job_row(0, [], label, result)
     return Job(label=label, case=case, verdict=verdict(result), errors=_tensor_errors(result),
-               bench_median_s=bench.get("median_s"), message=row.get("message") or "")
+               bench_median_s=bench.get("median_s"), message=row.get("message") or "",
+               seedless=bool(result.get("snapshot")) and case.get("seed") is None)
 
 
 def _check_layout(path: str, result) -> None:
@@ -235,7 +241,7 @@ def _case_text(case: dict) -> str:
     dp = f" dp={case['dp']}" if (case.get("dp") or 1) > 1 else ""
     starts = "" if case.get("start_pos") is None else f" start_pos={case['start_pos']}"
     scope = "" if case.get("scope") in (None, "full") else f" scope={case['scope']}"
-    return f"{case.get('layer')}{scope} {case.get('model')} {size}{dp}{starts} seed={case.get('seed')}"
+    return f"{case.get('layer')}{scope} {case.get('model')} {size}{dp}{starts} seed={seed_text(case.get('seed'))}"
 
 
 def render(report: dict) -> str:

@@ -51,10 +51,17 @@ CASE_KEYS = ("layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id",
              "seed", "start_pos", "backend", "impl")
 
 
+def seed_text(seed) -> object:
+    """A case's seed as every report shows it: `-` where none played a part (a replay of a
+    snapshot that records none), not the config's default."""
+    return "-" if seed is None else seed
+
+
 def case_items(c: dict) -> list[tuple[str, object]]:
     """The case's keys and values that it has, in CASE_KEYS order; dp only where there are
     several groups."""
-    return [(k, c[k]) for k in CASE_KEYS if k in c and not (k == "dp" and c[k] in (None, 1))]
+    return [(k, seed_text(c[k]) if k == "seed" else c[k]) for k in CASE_KEYS
+            if k in c and not (k == "dp" and c[k] in (None, 1))]
 
 
 def group_text(c: dict) -> str:

@@ -45,7 +45,7 @@ from launcher.config.sweep_jobs import planned_jobs
 from launcher.config.verdict_words import fails_the_run
 from launcher.report import progress
 from launcher.report.console import (
-    case_columns, comparator_text, fmt, starts_text, table_lines, varied_columns, varying_keys,
+    case_columns, comparator_text, fmt, seed_text, starts_text, table_lines, varied_columns, varying_keys,
 )
 from launcher.report.result import (
     EXIT_ERROR,
@@ -183,9 +183,13 @@ def case_name(row: dict) -> str:
     """A job's test name: its case (model, tp or ep, dp above 1, local_t or the MoE keys, start
     positions unless canonical, seed) and the rest of its overrides, sorted; independent of the
     job's place in the sweep."""
-    fields = [f"{k}={starts_text(row[k]) if k == 'start_pos' else row[k]}" for k in _CASE_KEYS
-              if row.get(k) is not None and not (k == "dp" and row[k] == 1)]
-    named = {k for k in ("layer", "scope", *_CASE_KEYS) if row.get(k) is not None}  # shown by the classname or above
+    # A null seed in the case of a job that ran: it ran on a snapshot's inputs alone (`seed=-`);
+    # in a refused job's, a seed that could not be read (its override says what was given).
+    seedless = "seed" in row and row.get("status") != "config-error"
+    shown = [k for k in _CASE_KEYS if row.get(k) is not None or k == "seed" and seedless]
+    fields = [f"{k}={starts_text(row[k]) if k == 'start_pos' else seed_text(row[k]) if k == 'seed' else row[k]}"
+              for k in shown if not (k == "dp" and row[k] == 1)]
+    named = {k for k in ("layer", "scope") if row.get(k) is not None} | set(shown)  # shown by the classname or above
     rest = sorted(o for o in row["overrides"] if not o.startswith("hydra.") and o.split("=", 1)[0].lstrip("+~") not in named)
     return " ".join(fields + rest) or "default"
 

@@ -13,7 +13,8 @@ bound to one case), so that `golden_data=DIR` alone replays it.
 * the model: our manifest's fields where it has them; else the dims the tensor shapes fix
   (`FIELDS`), and the first preset whose dims are those and whose every tensor shape fits the
   snapshot, or else the closest preset with those dims, named "snapshot".
-* the seed from our manifest only (the reference records none).
+* the seed from our manifest only (the reference records none of ours: the MoE one's
+  `seed` seeds its own generator, not this project's fixtures).
 
 Every fact names the file it was read from. The files' shapes against the whole case, the
 missing files and the manifest's sha256 are checked afterwards (`snapshot.check`), once the
@@ -151,7 +152,7 @@ def describe(directory: str) -> SnapshotFacts:
     local_t = _local_t(entries)
     if local_t is not None:
         facts["local_t"] = local_t
-    if "seed" in manifest:
+    if manifest.get("seed") is not None:  # null: saved from a replay of a snapshot without one
         facts["seed"] = Fact(int(manifest["seed"]), manifest_path)
     layer_name = facts["layer"].value if "layer" in facts else "swa"
     if layer_name == "moe":

@@ -26,7 +26,9 @@ class Case:
     model: ModelConfig
     tp: int
     local_t: int
-    seed: int
+    # None: no seed played a part (a replay of a snapshot that records none: every input is
+    # the snapshot's).
+    seed: int | None
     # None: the layer's canonical start set; an int: every request; a tuple: one start per
     # request of this rank (length batch) or of the whole TP group (length tp * batch).
     start_pos: int | tuple[int, ...] | None = None
@@ -153,7 +155,7 @@ class MoECase:
 
     model: ModelConfig
     ep: int
-    seed: int
+    seed: int | None  # None: as Case.seed
     layer_id: int = 0
     num_tokens: int | None = None
     balanced_routing: bool = False

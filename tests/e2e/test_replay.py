@@ -4,6 +4,7 @@ refused before launch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,7 +14,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
+from launcher.report.compare import Thresholds, compare, match
+from launcher.report.compare import load as compare_jobs
+from launcher.report.compare import render as render_comparison
+from launcher.report.sweep import case_name, job_row
 from launcher.run.preflight import preflight
+from launcher.store import golden_cache
 from layers.contract.config import ConfigError
 from layers.registry import get_layer
 
@@ -59,6 +65,62 @@ def test_reference_snapshot_replays_from_golden_data_alone(tp_run, layer):
     assert not (src / "manifest.json").exists()  # replay is read-only
 
 
+def _shown_seeds(run) -> tuple[object, str, str]:
+    """What a run says of its seed: result.json's case, the header line, report.html's case."""
+    header = run.report.splitlines()[0]
+    page = (Path(run.output_dir) / "report.html").read_text()
+    return run.result["case"]["seed"], header, page
+
+
+@pytest.mark.parametrize("name", ["swa-tp2-64", "moe-ep2-small"])
+def test_a_reference_replay_claims_no_seed(tp_run, name):
+    """The reference records no seed of ours and gives every input: no seed played a part, so
+    no report shows the config's (here a given one) as if it were the snapshot's."""
+    run = tp_run(golden_data=str(peer_snapshot(name)), seed=4242)
+    assert run.passed, run
+    seed, header, page = _shown_seeds(run)
+    assert seed is None and "seed" not in run.result["snapshot"]["read"]
+    assert " seed=- " in header and "4242" not in header, header
+    assert "seed=<code>-</code>" in page and "4242" not in page
+    # compare: the replay is its own case, never one with a seeded run of the same dims
+    replay = compare_jobs(run.output_dir)
+    seeded = [dataclasses.replace(j, case={**j.case, "seed": 4242}, seedless=False) for j in replay]
+    assert match(replay, seeded)[0] == [] and len(match(replay, replay)[0]) == 1
+    assert "seed=- " in render_comparison(compare(replay, replay, Thresholds()))
+    # a sweep's job name (junit) of the same run, the seed it was given left out as unused
+    job = case_name(job_row(1, [f"golden_data={peer_snapshot(name)}", "seed=4242"], run.output_dir, run.result))
+    assert "seed=-" in job.split() and "4242" not in job, job
+
+
+def test_a_reference_replay_shares_no_golden_cache_identity_with_a_seeded_run():
+    replay = _preflight(f"golden_data={peer_snapshot('swa-tp2-64')}").case
+    seeded = _preflight("layer=swa", "model=small", "tp=2", "local_t=64").case
+    assert dataclasses.replace(replay, seed=seeded.seed) == seeded  # the same dims
+    assert golden_cache.identity(replay, 0, 2) != golden_cache.identity(seeded, 0, 2)
+
+
+def test_our_snapshot_replay_shows_its_recorded_seed(tp_run, tmp_path):
+    snap = tmp_path / "snap"
+    assert tp_run(layer="swa", tp=2, model="tiny", seed=4242, save_data=str(snap), golden_cache=None).passed
+    run = tp_run(golden_data=str(snap))
+    assert run.passed, run
+    seed, header, page = _shown_seeds(run)
+    assert seed == 4242 and run.result["snapshot"]["seed"]["source"] == str(snap / "manifest.json")
+    assert " seed=4242 " in header, header
+    assert "seed=<code>4242</code>" in page
+
+
+def test_a_resaved_reference_replay_still_claims_no_seed(tp_run, tmp_path):
+    """A reference replay saved as our snapshot records a null seed, which its replay reads as none."""
+    snap = tmp_path / "snap"
+    assert tp_run(golden_data=str(peer_snapshot("swa-tp2-64")), save_data=str(snap)).passed
+    assert json.loads((snap / "manifest.json").read_text())["seed"] is None
+    run = tp_run(golden_data=str(snap))
+    assert run.passed, run
+    seed, header, page = _shown_seeds(run)
+    assert seed is None and " seed=- " in header and "seed=<code>-</code>" in page
+
+
 def test_keys_that_agree_with_the_snapshot_are_accepted():
     src = peer_snapshot("hca-tp2-64")
     spec = _preflight(f"golden_data={src}", "layer=hca", "tp=2", "model=small", "local_t=64", "scope=full")
@@ -101,7 +163,7 @@ def test_a_long_context_snapshot_without_manifest_replays_alone(tmp_path, tp_run
     (snap / "manifest.json").unlink()  # as the reference writes it
     p = run_cli([f"golden_data={snap}"], tmp_path, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"snapshot {snap}: layer=hca scope=full model=tiny tp=2 local_t=8 seed=20260819 start_pos=1040000" in p.stdout
+    assert f"snapshot {snap}: layer=hca scope=full model=tiny tp=2 local_t=8 seed=- start_pos=1040000" in p.stdout
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["case"]["start_pos"] == 1040000 and result["passed"]
 
