@@ -144,7 +144,7 @@ def test_a_sweep_over_profiles_shows_each_jobs_effective_comparators(tmp_path):
     assert (default["tolerance_profile"], sim["tolerance_profile"]) == ("default", "reference_sim")
     assert [c["tensor"] for c in sim["checks"]] == ["compress_state", "kv_cache", "cmp_kv", "x_out"]
     x_default, x_sim = default["checks"][-1], sim["checks"][-1]
-    assert x_default["comparator"].startswith("ratio_reldiff(diff_thd=0.003, pct_thd=0.008, max_diff_hd=1.0,")
+    assert x_default["comparator"].startswith("ratio_reldiff(diff_thd=0.003, pct_thd=0.008, max_diff_hd=1,")
     assert x_default["overridden"] == {}
     assert x_sim["comparator"].startswith("ratio_reldiff(diff_thd=0.004, pct_thd=0.008, max_diff_hd=2,")
     assert x_sim["overridden"] == {"diff_thd": {"default": 0.003, "value": 0.004},
