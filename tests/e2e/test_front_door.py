@@ -19,19 +19,33 @@ from ..conftest import REPO, run_cli
 HEAVY = ("torch", "layers.csa")
 
 
+# `python -m MODULE` with every module this process imports logged on stderr. An audit hook,
+# not `-X importtime`: the flag is handed on to child interpreters, and a run's forkserver, started
+# early so that its torch import overlaps the composition and ended at a refusal, would then show
+# its imports as the launcher's, depending on how far it got before it was ended.
+_LOGGED_MAIN = """
+import runpy, sys
+def log(event, args):
+    if event == "import":
+        sys.stderr.write("import: " + args[0] + chr(10))
+sys.addaudithook(log)
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
+
+
 def _launcher(args: list[str], cwd, env: dict | None = None, module: str = "launcher") -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` in a fresh interpreter with Python's import log on stderr."""
-    return subprocess.run([sys.executable, "-X", "importtime", "-m", module, *args], cwd=cwd,
+    """`python -m MODULE ARGS` in a fresh interpreter, the modules it imports logged on stderr."""
+    return subprocess.run([sys.executable, "-c", _LOGGED_MAIN, module, *args], cwd=cwd,
                           env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})),
                           capture_output=True, text=True, timeout=120)
 
 
 def _imported(stderr: str) -> set[str]:
-    return {ln.rsplit("|", 1)[-1].strip() for ln in stderr.splitlines() if ln.startswith("import time:")}
+    return {ln.split(":", 1)[1].strip() for ln in stderr.splitlines() if ln.startswith("import: ")}
 
 
 def _said(stderr: str) -> list[str]:
-    return [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("import time:")]
+    return [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("import: ")]
 
 
 @pytest.mark.parametrize("args, env, code", [

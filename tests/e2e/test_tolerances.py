@@ -153,4 +153,4 @@ def test_a_sweep_over_profiles_shows_each_jobs_effective_comparators(tmp_path):
     props = {prop.get("name"): prop.get("value") for prop in cases[1].find("properties")}
     assert props["tolerance_profile"] == "reference_sim"
     assert props["check.x_out"].startswith("PASS ratio_reldiff(diff_thd=0.004,")
-    assert props["check.x_out"].endswith("[set: diff_thd 0.003->0.004, max_diff_hd 1.0->2]")
+    assert props["check.x_out"].endswith("[set: diff_thd 0.003->0.004, max_diff_hd 1->2]")
