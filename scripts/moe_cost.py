@@ -33,12 +33,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from layers import moe  # noqa: E402
+from layers.moe import layer as moe  # noqa: E402
 from layers.contract.case import MoECase  # noqa: E402
 from layers.contract.config import PRESETS  # noqa: E402
 from layers.contract.context import RankContext  # noqa: E402
 from layers.distributed import wire  # noqa: E402
-from layers.fixtures import moe as fixture  # noqa: E402
+from layers.moe import fixture  # noqa: E402
 
 
 def _rss_mib() -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from layers import moe
+from layers.moe import layer as moe
 from layers.components import hc
 from layers.components import moe as moe_math
 from layers.components import moe_routing as routing

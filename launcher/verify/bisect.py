@@ -79,7 +79,7 @@ def _run_impl(stages: Sequence[Stage], ctx: RankContext, inputs: dict, impl) -> 
     """`(returned outputs, stage -> recorded outputs, whether stages were observed)` on CPU.
 
     A stage-based implementation (`layers.tp.TorchTP` and its subclasses, or any code that
-    runs stages with `layers.staged.run_stages`) reports each stage it runs through the
+    runs stages with `layers.contract.staged.run_stages`) reports each stage it runs through the
     context's observer: its outputs are recorded as it computed them, a replaced stage's
     included."""
     tensors = {n: t.to(ctx.device, copy=True) for n, t in inputs.items()}

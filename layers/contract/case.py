@@ -32,7 +32,7 @@ class Case:
     # None: the layer's canonical start set; an int: every request; a tuple: one start per
     # request of this rank (length batch) or of the whole TP group (length tp * batch).
     start_pos: int | tuple[int, ...] | None = None
-    # What the run validates: the whole layer, or one of the focused scopes (layers.scopes).
+    # What the run validates: the whole layer, or one of the focused scopes (layers.attention.scopes).
     scope: str = "full"
 
     @property
@@ -160,7 +160,7 @@ class MoECase:
     num_tokens: int | None = None
     balanced_routing: bool = False
     layer: str = "moe"
-    scope: str = "full"  # or "collectives": the two all-to-alls alone (layers.moe_collectives)
+    scope: str = "full"  # or "collectives": the two all-to-alls alone (layers.moe.collectives)
 
     # -- what every case tells the launcher -------------------------------------------------------
     @property

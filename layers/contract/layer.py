@@ -58,7 +58,7 @@ class Layer(abc.ABC):
 
     def rank_inputs_and_full_o(self, case: Case, rank: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """`rank_inputs` and `full_o_weights` together, for a rank that computes its golden.
-        This default builds them apart; `layers.fixtures.o_weights` draws the O weights once."""
+        This default builds them apart; `layers.attention.o_weights` draws the O weights once."""
         return self.rank_inputs(case, rank), self.full_o_weights(case)
 
     @abc.abstractmethod

@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from launcher.verify import build_comparator
-from layers import moe
-from layers.staged import run_stages
+from layers.moe import layer as moe
+from layers.contract.staged import run_stages
 from layers.contract.case import MoECase
 from layers.contract.config import TINY
 from layers.contract.context import RankContext
 from layers.distributed import ep, wire
-from layers.fixtures import moe as fixture
+from layers.moe import fixture
 from layers.tp import TorchTP
 
 from .. import defects

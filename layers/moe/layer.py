@@ -45,18 +45,18 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .components import hc
-from .components import moe as moe_math
-from .components import moe_routing as routing
-from .contract.case import MoECase
-from .contract.checks import ActiveRowsCheck, AllcloseCheck, RelDiffCheck
-from .contract.config import ConfigError
-from .contract.context import RankContext
-from .contract.stage import Stage
-from .contract.tensors import Kind, TensorSpec
-from .distributed import ep, wire
-from .fixtures import moe as fixture
-from .staged import StagedLayer, bf16_close, exact, fp32_close, judged, run_stages
+from ..components import hc
+from ..components import moe as moe_math
+from ..components import moe_routing as routing
+from ..contract.case import MoECase
+from ..contract.checks import ActiveRowsCheck, AllcloseCheck, RelDiffCheck
+from ..contract.config import ConfigError
+from ..contract.context import RankContext
+from ..contract.stage import Stage
+from ..contract.tensors import Kind, TensorSpec
+from ..distributed import ep, wire
+from . import fixture
+from ..contract.staged import StagedLayer, bf16_close, exact, fp32_close, judged, run_stages
 
 Values = Mapping[str, torch.Tensor]
 # A source rank's own inputs (x_hc, input_ids) by rank: a fixture's keyed draw or a snapshot slice.
