@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.verify.bisect import OUTPUTS_STAGE, bisect_rank, every_rank, gather_bisect, golden_chain, render
+from launcher.verify.bisect import OUTPUTS_STAGE, bisect_rank, gather_bisect, golden_chain, render
+from layers.distributed.golden_walk import every_rank
 from layers import stages, tp
 from layers.hca import layer as hca
 from layers.swa import layer as swa
