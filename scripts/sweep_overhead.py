@@ -25,6 +25,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def _compute_seconds(folder: str) -> float:
 
 def _timed(python: str, args: list[str], out_key: str, cwd: str) -> tuple[float, float, float]:
     """(wall, compute, the launcher process's own CPU) of one `python -m launcher ARGS` in
-    `cwd`, its results in a fresh folder."""
+    `cwd`, its results in a fresh folder there, removed once read (kept when the run failed)."""
     folder = tempfile.mkdtemp(prefix="overhead-", dir=cwd)
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
@@ -60,7 +61,9 @@ def _timed(python: str, args: list[str], out_key: str, cwd: str) -> tuple[float,
         if proc.returncode != 0:
             log.seek(0)
             sys.exit(f"{python} -m launcher {' '.join(args)} exited {proc.returncode}:\n{log.read()[-3000:]}")
-    return wall, _compute_seconds(folder), usage.ru_utime + usage.ru_stime
+    compute = _compute_seconds(folder)
+    shutil.rmtree(folder)
+    return wall, compute, usage.ru_utime + usage.ru_stime
 
 
 def _where(python: str, cwd: str) -> str:
