@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind, tensor_sha256
+from layers.fixtures.kept import kept_sha256
 
 from launcher.config.spec import RunSpec
 from launcher.store import golden_cache, snapshot
@@ -49,7 +50,7 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
 
     if spec.golden_cache is None:
         tensors, wo_full = drawn()
-        return RankInputs(tensors, {n: tensor_sha256(tensors[n]) for n in digested}, wo_full, None)
+        return RankInputs(tensors, {n: _drawn_sha256(tensors[n]) for n in digested}, wo_full, None)
     specs = {n: s for n, s in layer.tensor_specs(case).items() if s.kind is not Kind.OUTPUT}
     parts = {  # entry -> its identity and the names it holds
         "own": (golden_cache.inputs_identity(case, rank, spec.threads()),
@@ -67,7 +68,7 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
     tensors, wo_full = drawn()
     to_store = [(ident, names) for part, (ident, names) in parts.items()
                 if part in read and read[part] is None and (part == "own" or stores_group)]
-    digests = {n: tensor_sha256(tensors[n]) for n in set(digested).union(*(names for _, names in to_store))}
+    digests = {n: _drawn_sha256(tensors[n]) for n in set(digested).union(*(names for _, names in to_store))}
     problems = [golden_cache.store(spec.golden_cache, ident, {n: tensors[n] for n in names},
                                    spec.golden_cache_max_bytes, sha256={n: digests[n] for n in names})
                 for ident, names in to_store]
@@ -76,6 +77,12 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
         log.info("golden cache %s: inputs not written: %s", spec.golden_cache, problem)
     status = f"not written: {problem}" if problem else None
     return RankInputs(tensors, {n: digests[n] for n in digested}, wo_full, status)
+
+
+def _drawn_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor the fixture just drew: the replicated weights kept for the next job
+    were hashed as they were drawn (`layers.fixtures.kept`), and are not hashed again."""
+    return kept_sha256(t) or tensor_sha256(t)
 
 
 def _with_inouts_cloned(layer, case, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
