@@ -135,7 +135,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
         plots.preload_in_background()
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
-    result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
+    result = build_result(spec, machine=devices.machine_entry(spec.backend, spec.local_ranks),
+                          rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
                           wall_s=time.perf_counter() - t0)
     if spec.report_plots:
         result["plots"] = plots.write_plots(result, output_dir)

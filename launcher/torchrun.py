@@ -35,6 +35,7 @@ from launcher.config.spec import RunSpec, config_case
 from launcher.report.console import render, where_line
 from launcher.report.result import EXIT_ERROR, build_result, exit_code, not_launched
 from launcher.report.run_page import write_result_and_page
+from launcher.run import devices
 from launcher.run.launch import RankFailure, failed_stage, is_casualty
 from launcher.run.preflight import preflight
 from launcher.run.worker import rank_main
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> int:
         if is_casualty(f"{type(e).__name__}: {e}"):
             time.sleep(CASUALTY_EXIT_DELAY_S)
         return EXIT_ERROR
-    result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=time.perf_counter() - t0)
+    result = build_result(spec, machine=devices.machine_entry(spec.backend, spec.local_ranks), rank_result=rank_result, error=None, log_dir=output_dir, wall_s=time.perf_counter() - t0)
     if rank_result.get("reporting"):  # the comparing rank reports for the run
         written = write_result_and_page(output_dir, result)
         print(render(result))
@@ -128,7 +129,7 @@ def _report_failure(spec: RunSpec, rank: int, exc: BaseException, *, wall_s: flo
                           exitcode=EXIT_ERROR, log_dir=spec.output_dir)
     if is_casualty(message) and os.path.exists(os.path.join(spec.output_dir, "result.json")):
         return
-    result = build_result(spec, rank_result=None, error=asdict(failure), log_dir=spec.output_dir, wall_s=wall_s)
+    result = build_result(spec, machine=devices.machine_entry(spec.backend, spec.local_ranks), rank_result=None, error=asdict(failure), log_dir=spec.output_dir, wall_s=wall_s)
     written = write_result_and_page(spec.output_dir, result)
     print(render(result))
     print(where_line(spec.output_dir, written))

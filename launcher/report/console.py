@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from launcher.config.rank_stages import RANK_STAGES
+from launcher.report.bisect_lines import render as render_bisect
 from launcher.report.result import verdict, verdict_pair
 from launcher.report.verdict import check_names, decision, line as verdict_line
 
@@ -180,8 +181,6 @@ def render(result: dict) -> str:
         lines += _integrity_lines(result["integrity"])
     lines.append(verdict_pair(result))
     if result.get("bisect"):
-        from launcher.verify.bisect import render as render_bisect  # imports torch: only a bisected run's
-
         lines += render_bisect(result["bisect"]).splitlines()
     lines.append(f"VERDICT: {verdict_line(decision(result, verdict(result)))} ({result['wall_s']:.1f}s)")
     return "\n".join(lines)

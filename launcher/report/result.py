@@ -113,19 +113,18 @@ def write_result(output_dir: str, result: dict, job: dict | None = None) -> dict
     return result
 
 
-def build_result(spec: RunSpec, *, rank_result: dict | None, error: dict | None, log_dir: str,
+def build_result(spec: RunSpec, *, machine: dict, rank_result: dict | None, error: dict | None, log_dir: str,
                  wall_s: float) -> dict:
-    """The result of a launched run. `rank_result`: what this node's comparing rank returned
-    (`launcher.run.worker.rank_main`; None when a rank failed); `error`: the root-cause rank's
-    failure (`launcher.run.launch.RankFailure`, as a dict) or None."""
-    from launcher.run import devices  # imports torch: a run's, never a reader's (see `provenance`)
-
-    backend = devices.resolve_backend(spec.backend)
+    """The result of a launched run. `machine`: the backend and devices the ranks ran on
+    (`launcher.run.devices.machine_entry`, worked out by the launching side); `rank_result`: what
+    this node's comparing rank returned (`launcher.run.worker.rank_main`; None when a rank
+    failed); `error`: the root-cause rank's failure (`launcher.run.launch.RankFailure`, as a
+    dict) or None."""
     result = {
         "case": spec.case_entry(),
         "model_fields": spec.case.model.fields(),
-        "backend": backend,
-        "devices": devices.device_names(backend, spec.local_ranks),
+        "backend": machine["backend"],
+        "devices": machine["devices"],
         "threads_per_rank": spec.threads(),
         "job_slot": dataclasses.asdict(spec.slot) if spec.slot is not None else None,
         "wall_s": round(wall_s, 3),

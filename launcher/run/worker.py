@@ -55,11 +55,10 @@ from launcher.config.faults import Fault
 from launcher.config.rank_stages import RANK_STAGES
 from launcher.config.spec import RunSpec
 from launcher.config.verdict_words import fails_the_run
-from launcher.run import bench, devices, faults, forkserver, golden_guard, judging, lifeline, nodes, watchdog
+from launcher.run import bench, bisect, devices, faults, forkserver, golden_guard, judging, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.run.rank_data import cached_golden, cached_group_golden, rank_inputs
 from launcher.store import snapshot
-from launcher.verify import bisect
 from launcher.verify.base import initial_key
 from launcher.verify.integrity import golden_nonfinite
 

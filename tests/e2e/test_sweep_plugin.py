@@ -15,8 +15,8 @@ import hydra_plugins
 import pytest
 from hydra.errors import HydraException
 
-from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from launcher.cli import show_our_plugins_to_hydra
+from launcher.config.sweep_jobs import expand_jobs
 
 from ..conftest import REPO
 
