@@ -185,7 +185,7 @@ def show_our_plugins_to_hydra() -> None:
     (`hydra_plugins.dsv4_tp_harness`) would be unknown to Hydra, and a sweep would take Hydra's
     basic pair, which composes every job twice. The folder our package sits in joins the
     namespace's folders, where the walk finds it."""
-    if any(os.path.isfile(os.path.join(p, "dsv4_tp_harness", "sweep.py")) for p in hydra_plugins.__path__):
+    if any(os.path.isfile(os.path.join(p, "dsv4_tp_harness", "__init__.py")) for p in hydra_plugins.__path__):
         return
     spec = importlib.util.find_spec("hydra_plugins.dsv4_tp_harness")
     if spec is None or spec.origin is None:

@@ -30,7 +30,7 @@ from layers.contract.config import ConfigError
 from launcher.config.job_slot import JobSlot, job_slot, runs_in_a_pool, slot_count
 from launcher.config.slurm import node_output_dir
 from launcher.config.spec import RunSpec, config_case
-from launcher.report import console, plots, progress, sweep
+from launcher.report import console, plots, progress, sweep_summary
 from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
 from launcher.report.result import build_result, exit_code, launcher_error, not_launched
 from launcher.report.run_page import write_result_and_page
@@ -71,7 +71,7 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides
             slot: JobSlot | None = None, spec: RunSpec | None = None) -> int:
     """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
     that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
-    (`launcher.report.sweep.job_entry`), recorded in result.json; `overrides`: the run's
+    (`launcher.report.sweep_summary.job_entry`), recorded in result.json; `overrides`: the run's
     override strings (the keys the user gave explicitly); `slot`: the share of the node a job
     running beside others holds (None: the whole node); `spec`: the run's spec where its
     preflight already ran (`check_before_folder`)."""
@@ -166,11 +166,11 @@ def run_job(cfg: DictConfig, hydra_cfg) -> int:
         spec, CheckedRun.spec = CheckedRun.spec, None
         return execute(cfg, output_dir, overrides=overrides, spec=spec)
     num = int(hydra_cfg.job.num)
-    job = sweep.job_entry(hydra_cfg.sweep.dir, num, overrides)
+    job = sweep_summary.job_entry(hydra_cfg.sweep.dir, num, overrides)
     # In the process that runs the job's launch (the sweep's launcher, a pool's worker, a
     # Slurm task): interrupted before its result, the job reads as one that ran.
-    sweep.mark_started(output_dir, job)
-    if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
+    sweep_summary.mark_started(output_dir, job)
+    if cfg.fail_fast and sweep_summary.earlier_job_failed(hydra_cfg.sweep.dir, num):
         # Not counted in the exit status: the job that did not pass already decides it.
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
         write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
@@ -213,7 +213,7 @@ def _execute_in_slot(cfg: DictConfig, output_dir: str, job: dict, overrides: lis
     """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
     this node (`launcher.config.job_slot`), else with the whole node."""
     cpus = devices.cpu_affinity()
-    planned = (sweep.read_record(sweep_dir) or {}).get("jobs")
+    planned = (sweep_summary.read_record(sweep_dir) or {}).get("jobs")
     planned_n = len(planned) if planned is not None else None
     if cpus is None or slot_count(launcher, planned_n, len(cpus), None) == 1:
         return execute(cfg, output_dir, job, overrides)
@@ -240,11 +240,11 @@ def finish(code) -> int:
     an error.
     """
     rank_group.POOL.close()
-    unfinished, status = sweep.SweepSummary.unfinished_sweep, sweep.SweepSummary.exit_status
-    sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = CheckedRun.spec = None
+    unfinished, status = sweep_summary.SweepSummary.unfinished_sweep, sweep_summary.SweepSummary.exit_status
+    sweep_summary.SweepSummary.exit_status = sweep_summary.SweepSummary.unfinished_sweep = CheckedRun.spec = None
     interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
     if unfinished is not None:
-        summary = sweep.write_summary(unfinished, interrupted=interrupted)
+        summary = sweep_summary.write_summary(unfinished, interrupted=interrupted)
         return code if interrupted else max(summary, EXIT_ERROR)
     if code:
         return code if isinstance(code, int) else EXIT_ERROR

@@ -38,7 +38,7 @@ from launcher.config.schema import top_level_names
 from launcher.config.sweep_jobs import expand_jobs
 from launcher.report.console import table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
-from launcher.report.sweep import SWEEP_FILE, collect_rows, job_entry, write_summary
+from launcher.report.sweep_summary import SWEEP_FILE, collect_rows, job_entry, write_summary
 from launcher.run.preflight import preflight
 
 PASSED = ("PASS", "UNCHECKED")

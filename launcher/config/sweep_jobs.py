@@ -1,6 +1,6 @@
 """A multirun's jobs before any runs: each job's overrides, as the sweeper will expand them.
 
-Apart from the sweep's reporting (`launcher.report.sweep`), so that printing a sweep's configs
+Apart from the sweep's reporting (`launcher.report.sweep_summary`), so that printing a sweep's configs
 (`-m --cfg job`) reads them without the reporting's imports (torch among them)."""
 
 from __future__ import annotations

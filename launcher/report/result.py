@@ -3,7 +3,7 @@
 A result is `status` ("ok" or "error"), `passed`, the case, per-tensor verdicts with pooled
 and per-rank figures, per-rank stage times, and on error the root-cause rank, stage, message,
 traceback and log folder. Rendering (`launcher.report.console`) and the sweep's summary
-(`launcher.report.sweep`) never need anything but that dict.
+(`launcher.report.sweep_summary`) never need anything but that dict.
 
 A run that never reached the ranks still leaves a result, so that every job of a sweep has
 one: status "config-error" (refused by the preflight), "skipped" (a sweep with fail_fast after
@@ -93,7 +93,7 @@ def provenance() -> dict:
 
 def write_result(output_dir: str, result: dict, job: dict | None = None) -> dict:
     """result.json, written whole or not at all, with its provenance; a sweep's job carries
-    its `job` entry (`launcher.report.sweep.job_entry`). Returns the dict written (with its
+    its `job` entry (`launcher.report.sweep_summary.job_entry`). Returns the dict written (with its
     provenance, verdict and job)."""
     os.makedirs(output_dir, exist_ok=True)
     word = verdict(result)

@@ -1,8 +1,8 @@
 """The per-rank entry point: build the rank's fixture slice, run the implementation, gather, judge.
 
 Runs in every process the elastic agent starts (or under an external torchrun, which sets the
-same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order
-(`launcher.config.rank_stages`):
+same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Phases, in order
+(`launcher.config.rank_phases`):
 
     fixture -> golden -> [save] -> layer -> gather -> compare -> [bisect]
 
@@ -51,11 +51,11 @@ from layers.contract.context import RankContext
 from layers.contract.tensors import Kind, tensor_sha256
 from layers.distributed import wire
 
-from launcher.config.faults import Fault
-from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.fault_config import Fault
+from launcher.config.rank_phases import RANK_PHASES
 from launcher.config.spec import RunSpec
 from launcher.config.verdict_words import fails_the_run
-from launcher.run import bench, bisect, devices, faults, forkserver, golden_guard, judging, lifeline, nodes, watchdog
+from launcher.run import bench_rounds, bisect, devices, fault_injection, forkserver, golden_guard, judging, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
 from launcher.run.rank_data import cached_golden, cached_group_golden, rank_inputs
 from launcher.store import snapshot
@@ -120,15 +120,15 @@ class GoldenNotFinite(RuntimeError):
 
 
 def progress_path(output_dir: str, rank: int) -> str:
-    """Where rank `rank` appends its stage events (JSON lines) for the launcher's progress display."""
+    """Where rank `rank` appends its phase events (JSON lines) for the launcher's progress display."""
     return os.path.join(output_dir, "progress", f"rank{rank}.jsonl")
 
 
-class RankStageTimer:
-    """The stages of this rank's run (`launcher.config.rank_stages`): times each (wall, and the
-    CPU of every thread of this process: a stage whose wall far exceeds its CPU waited on a
+class RankPhaseTimer:
+    """The phases of this rank's run (`launcher.config.rank_phases`): times each (wall, and the
+    CPU of every thread of this process: a phase whose wall far exceeds its CPU waited on a
     peer, a device or the disk), records its start and end as progress events, fires a
-    configured fault at its start, and tags a failure with the rank and stage it happened in."""
+    configured fault at its start, and tags a failure with the rank and phase it happened in."""
 
     def __init__(self, rank: int, output_dir: str, fault: Fault | None = None):
         self.rank = rank
@@ -143,13 +143,13 @@ class RankStageTimer:
         self._events.write(json.dumps({"rank": self.rank, "stage": name, "event": event, "t": time.time()}) + "\n")
 
     @contextmanager
-    def stage(self, name: str):
-        assert name in RANK_STAGES, name
+    def phase(self, name: str):
+        assert name in RANK_PHASES, name
         t0, cpu0 = time.perf_counter(), time.process_time()
-        log.info("stage %s ...", name)
+        log.info("phase %s ...", name)
         self._event(name, "start")
         try:
-            faults.at_stage_start(self.fault, name, self.rank)
+            fault_injection.at_stage_start(self.fault, name, self.rank)
             yield
         except BaseException as e:
             self._event(name, "failed")
@@ -158,7 +158,7 @@ class RankStageTimer:
         self.seconds[name] = time.perf_counter() - t0
         self.cpu_seconds[name] = time.process_time() - cpu0
         self._event(name, "done")
-        log.info("stage %s done (%.2fs)", name, self.seconds[name])
+        log.info("phase %s done (%.2fs)", name, self.seconds[name])
 
 
 def _setup_logging(rank: int) -> None:
@@ -330,14 +330,14 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     case = spec.case.of_group(layout.group)
     rank, grank, world = layout.rank, layout.group_rank, layout.world
     layer = spec.layer
-    timer = RankStageTimer(rank, spec.output_dir, spec.fault)
+    timer = RankPhaseTimer(rank, spec.output_dir, spec.fault)
     specs = layer.tensor_specs(case)
     compared = layer.compared_names(case)
     in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
     mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
     inout = [n for n in compared if specs[n].kind is Kind.INOUT]
     pure = layer.names_of(case, Kind.INPUT)
-    with timer.stage("fixture"):
+    with timer.phase("fixture"):
         check_harness_untouched(rank, "before this job's golden (by an implementation imported before it: an "
                                       "earlier job's on this warm rank, or this one's by the preflight of this "
                                       "process or of the one it was forked from)")
@@ -356,7 +356,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     if spec.golden:
         failure = None
         try:
-            with timer.stage("golden"):
+            with timer.phase("golden"):
                 if spec.golden_data:
                     references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, grank, specs)
                 if not spec.golden_data or spec.recompute_golden:
@@ -374,7 +374,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         stop_unless_every_reference_was_made(failure, rank, world, device)
     del wo_full
     if spec.save_data:
-        with timer.stage("save"):
+        with timer.phase("save"):
             stacked_in = gather_to_rank0(inputs, in_names, rank, world, device)
             stacked_out = gather_to_rank0(next(iter(references.values())), compared, rank, world, device)
             if rank == 0:
@@ -383,7 +383,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                     group_case = spec.case.of_group(g)
                     snapshot.save(folder, group_case, specs, ins, outs, _starts(ins, group_case))
             del stacked_in, stacked_out
-    with timer.stage("layer"):
+    with timer.phase("layer"):
         with implementation_contract(rank):
             impl = instantiate(spec.impl)
         check_harness_untouched(rank, "on import or construction of the implementation")
@@ -395,11 +395,11 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
             outputs = impl(ctx, tensors)
         check_harness_untouched(rank, "while the implementation ran")
         # An output fault hits the layer's output (x_out, x_next), a focused scope's first in-out.
-        faults.on_outputs(spec.fault, rank, outputs, (layer.names_of(case, Kind.OUTPUT) or compared)[0], case.seq)
+        fault_injection.on_outputs(spec.fault, rank, outputs, (layer.names_of(case, Kind.OUTPUT) or compared)[0], case.seq)
         check_outputs(outputs, {n: specs[n] for n in compared}, rank)
         check_inputs_unchanged(pure_tensors, input_digests, rank)
         del pure_tensors
-    with timer.stage("gather"):
+    with timer.phase("gather"):
         if not spec.bench:
             del tensors  # what the outputs do not alias is freed before the judges stack
         del inputs
@@ -411,22 +411,22 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
         del outputs, context
     bench_figures = None
     if spec.bench:
-        with timer.stage("bench"):
+        with timer.phase("bench"):
             trace = os.path.join(spec.output_dir, "profile", f"rank{rank}.json") if spec.bench.profile else None
             if trace:
                 os.makedirs(os.path.dirname(trace), exist_ok=True)
-            times = bench.run_rounds(impl, ctx, tensors, pristine, spec.bench, trace)
+            times = bench_rounds.run_rounds(impl, ctx, tensors, pristine, spec.bench, trace)
             check_harness_untouched(rank, "while the benchmark ran the implementation")
             del tensors, pristine
             every = [None] * world if rank == 0 else None
             dist.gather_object(times, every, dst=0)
             if rank == 0:
-                bench_figures = bench.summarize(spec.bench, every)
+                bench_figures = bench_rounds.summarize(spec.bench, every)
                 if trace:
                     bench_figures["profiles"] = [os.path.join("profile", f"rank{r}.json") for r in range(world)]
     judged = []
     if spec.golden:
-        with timer.stage("compare"):
+        with timer.phase("compare"):
             cases = [spec.case.of_group(g) for g in range(layout.dp)]
             judged = judging.judge(held, cases, layer.checks, spec.tolerances, layout, spec.integrity)
         del held
@@ -444,7 +444,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     passed = _verdict_of_rank0(_passed(comparisons, integrity) if comparisons is not None else None, world, device)
     located = None
     if spec.bisect and passed is False:
-        with timer.stage("bisect"):
+        with timer.phase("bisect"):
             # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
             fresh = (snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs) if spec.golden_data
                      else layer.rank_inputs(case, grank))

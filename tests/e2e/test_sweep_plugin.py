@@ -1,4 +1,4 @@
-"""The harness's sweeper and launcher (`hydra_plugins.dsv4_tp_harness.sweep`), the default of
+"""The harness's sweeper and launcher (`hydra_plugins.dsv4_tp_harness.harness_sweeper`), the default of
 `python -m launcher -m`: the basic pair's jobs in the basic pair's order, each job's config
 composed once instead of twice, a job that cannot be composed still refusing the whole sweep
 before any job runs; and shown to Hydra where an editable install hides them."""

@@ -17,7 +17,7 @@ each job starts and ends, and at the end of the multirun writes, into the sweep 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
 (`launcher.job.execute` writes one for every outcome), so a crashed job has its row too.
 Jobs run one after another in this process (the harness's launcher,
-`hydra_plugins.dsv4_tp_harness.sweep`): each on new rank processes or on the warm ones of an
+`hydra_plugins.dsv4_tp_harness.harness_sweeper`): each on new rank processes or on the warm ones of an
 earlier job (`launcher.run.rank_group`).
 """
 

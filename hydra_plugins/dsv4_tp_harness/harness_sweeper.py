@@ -134,14 +134,14 @@ def _receive(read_end: int, deadline: float) -> bytes:
 
 @dataclass
 class HarnessSweeperConf:
-    _target_: str = "hydra_plugins.dsv4_tp_harness.sweep.HarnessSweeper"
+    _target_: str = "hydra_plugins.dsv4_tp_harness.harness_sweeper.HarnessSweeper"
     max_batch_size: Optional[int] = None  # jobs composed and launched at a time; null = all
     params: Optional[dict[str, str]] = field(default=None)  # swept keys: `layer: swa,csa`
 
 
 @dataclass
 class HarnessLauncherConf:
-    _target_: str = "hydra_plugins.dsv4_tp_harness.sweep.HarnessLauncher"
+    _target_: str = "hydra_plugins.dsv4_tp_harness.harness_sweeper.HarnessLauncher"
 
 
 class HarnessSweeper(Sweeper):
