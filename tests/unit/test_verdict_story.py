@@ -39,7 +39,7 @@ def _check(tensor: str, name: str, passed: bool) -> dict:
 
 
 def _result(verdicts: list[dict], checks: list[dict] | None, tolerance: dict | None = None, passed=None) -> dict:
-    """A run's result as `launcher.report.result.build_result` leaves it; checks None: integrity=false."""
+    """A run's result as `launcher.run.run_result.RunResult.launched` leaves it; checks None: integrity=false."""
     integrity = ({"enabled": False, "passed": None, "checks": []} if checks is None
                  else {"enabled": True, "passed": all(c["passed"] for c in checks), "checks": checks})
     reference_passed = not any(not v["passed"] and not v["diagnostic"] for v in verdicts)
@@ -193,7 +193,7 @@ def test_every_check_off_is_unchecked_never_pass(tmp_path):
 def test_an_unchecked_job_does_not_stop_a_fail_fast_sweep(tmp_path):
     sweep_summary.start_record(str(tmp_path), [[], []])
     record = sweep_summary.read_record(str(tmp_path))
-    # As build_result leaves it: a run no check could fail is not `passed`.
+    # As RunResult.launched leaves it: a run no check could fail is not `passed`.
     result = _result([_verdict("x_out", True, 0.0, diagnostic=True)], None, {"diagnostic": ["x_out"]}, passed=False)
     write_result(str(tmp_path / "0"), result, {"num": 0, "overrides": [], "sweep_id": record["id"]})
     assert not sweep_summary.earlier_job_failed(str(tmp_path), 1)
