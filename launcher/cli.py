@@ -107,12 +107,19 @@ def _create_output_folder(config: DictConfig, key: str) -> None:
     raise SystemExit(EXIT_ERROR)
 
 
-@hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
-def _hydra_main(cfg: DictConfig) -> int:
-    from launcher.job import run_job  # imported by RunStart already: a run started
+def _hydra_main(statuses: list[int]):
+    """Hydra's application; the status each job run in this process returned is appended to
+    `statuses` (`hydra.main` drops what its task returns)."""
 
-    progress.composition_done()
-    return run_job(cfg, HydraConfig.get())
+    @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
+    def task(cfg: DictConfig) -> int:
+        from launcher.job import run_job  # imported by RunStart already: a run started
+
+        progress.composition_done()
+        statuses.append(run_job(cfg, HydraConfig.get()))
+        return statuses[-1]
+
+    return task
 
 
 def one_line(hydra_message: str) -> str:
@@ -162,9 +169,9 @@ def main() -> None:
         sys.exit(EXIT_PASS)
     show_our_plugins_to_hydra()
     progress.hold_stderr_while_composing()
-    code = None
+    code, statuses = None, []
     try:
-        _hydra_main()
+        _hydra_main(statuses)()
     except SystemExit as e:
         code = e.code
     except Exception as e:  # Hydra's own refusal of the command line, e.g. -m with --cfg
@@ -177,7 +184,7 @@ def main() -> None:
         sys.exit(EXIT_ERROR)
     if held:
         sys.stderr.write(held)  # only printed (--help, --cfg): nothing failed
-    sys.exit(final_status(code))
+    sys.exit(final_status(code, statuses[-1] if statuses else None))
 
 
 def show_our_plugins_to_hydra() -> None:
@@ -187,7 +194,7 @@ def show_our_plugins_to_hydra() -> None:
     (`hydra_plugins.dsv4_tp_harness`) would be unknown to Hydra, and a sweep would take Hydra's
     basic pair, which composes every job twice. The folder our package sits in joins the
     namespace's folders, where the walk finds it."""
-    if any(os.path.isfile(os.path.join(p, "dsv4_tp_harness", "sweep.py")) for p in hydra_plugins.__path__):
+    if any(os.path.isfile(os.path.join(p, "dsv4_tp_harness", "__init__.py")) for p in hydra_plugins.__path__):
         return
     spec = importlib.util.find_spec("hydra_plugins.dsv4_tp_harness")
     if spec is None or spec.origin is None:
@@ -229,12 +236,13 @@ def _print_sweep_configs(argv: list[str]) -> int:
     return EXIT_ERROR
 
 
-def final_status(code) -> int:
+def final_status(code, status: int | None) -> int:
     """The process's exit status: `launcher.job.finish`'s once a run or a sweep started (it
-    imported `launcher.job`), else Hydra's (None: only printed, --help or --cfg)."""
+    imported `launcher.job`; `status`: what the single run's `execute` returned), else Hydra's
+    (None: only printed, --help or --cfg)."""
     job = sys.modules.get("launcher.job")
     if job is not None:
-        return job.finish(code)
+        return job.finish(code, status)
     if code:
         return code if isinstance(code, int) else EXIT_ERROR
     return EXIT_PASS

@@ -2,7 +2,7 @@
 
 Each argument is a run folder (with result.json) or a sweep folder (with summary.json or
 sweep.json). Jobs are matched by case, whatever implementation ran them, and compared:
-verdicts, each tensor's max |diff|, benchmark medians (`launcher.report.compare`).
+verdicts, each tensor's max |diff|, benchmark medians (`launcher.report.regressions`).
 
 Exit status: 0 no regression, 1 a regression, 2 an error: a folder or result that cannot be
 read (a result.json of another schema_version included), a threshold that is not a finite
@@ -17,7 +17,7 @@ import json
 import math
 import sys
 
-from launcher.report.compare import CompareError, Thresholds, compare, load, render
+from launcher.report.regressions import CompareError, Thresholds, compare, load, render
 
 EXIT_SAME, EXIT_REGRESSED, EXIT_BAD_INPUT = 0, 1, 2
 

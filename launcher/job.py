@@ -30,13 +30,14 @@ from layers.contract.config import ConfigError
 from launcher.config.job_slot import JobSlot, job_slot, runs_in_a_pool, slot_count
 from launcher.config.slurm import node_output_dir
 from launcher.config.spec import RunSpec, config_case
-from launcher.report import console, plots, progress, sweep
+from launcher.report import console, plots, progress, sweep_summary
 from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
-from launcher.report.result import build_result, exit_code, launcher_error, not_launched
+from launcher.report.result import exit_code
 from launcher.report.run_page import write_result_and_page
 from launcher.run import devices, job_process, rank_group, slots
 from launcher.run.launch import launch
 from launcher.run.preflight import preflight
+from launcher.run.run_result import RunResult
 from launcher.store import cache_dir
 
 # Written to the run's launcher.log only (Hydra's job logging; the console shows warnings).
@@ -71,7 +72,7 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides
             slot: JobSlot | None = None, spec: RunSpec | None = None) -> int:
     """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
     that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
-    (`launcher.report.sweep.job_entry`), recorded in result.json; `overrides`: the run's
+    (`launcher.report.sweep_summary.job_entry`), recorded in result.json; `overrides`: the run's
     override strings (the keys the user gave explicitly); `slot`: the share of the node a job
     running beside others holds (None: the whole node); `spec`: the run's spec where its
     preflight already ran (`check_before_folder`)."""
@@ -79,7 +80,7 @@ def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides
     try:
         return _execute(cfg, output_dir, t0, job, overrides, slot, spec)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
-        result = launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0)
+        result = RunResult.launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0).to_json()
         written, unwritten = _write(output_dir, result, job)
         print(console.render(result))
         print(console.where_line(output_dir, written))
@@ -112,8 +113,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
             message = _message(e)
             log.info("refused: %s", message)
             print(f"error: {message}", file=sys.stderr)
-            written, unwritten = _write(output_dir, not_launched(config_case(cfg), "config-error", message,
-                                                                 wall_s=time.perf_counter() - t0, stage="config"), job)
+            written, unwritten = _write(output_dir, RunResult.not_launched(
+                config_case(cfg), "config-error", message, wall_s=time.perf_counter() - t0, stage="config").to_json(), job)
             if job is None:  # a sweep's job: its row in the sweep's table says it; stderr keeps its one error line
                 print(console.where_line(output_dir, written))
             if unwritten:
@@ -135,10 +136,12 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
         plots.preload_in_background()
     with progress.StageWatcher(output_dir, spec.local_ranks, label):
         outcome = launch(spec)
-    result = build_result(spec, rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
-                          wall_s=time.perf_counter() - t0)
+    built = RunResult.launched(spec, machine=devices.machine_entry(spec.backend, spec.local_ranks),
+                               rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
+                               wall_s=time.perf_counter() - t0)
     if spec.report_plots:
-        result["plots"] = plots.write_plots(result, output_dir)
+        built.plots = plots.write_plots(built.to_json(), output_dir)
+    result = built.to_json()
     written, unwritten = _write(output_dir, result, job)
     report = console.render(result)
     log.info("report:\n%s", report)
@@ -165,14 +168,15 @@ def run_job(cfg: DictConfig, hydra_cfg) -> int:
         spec, CheckedRun.spec = CheckedRun.spec, None
         return execute(cfg, output_dir, overrides=overrides, spec=spec)
     num = int(hydra_cfg.job.num)
-    job = sweep.job_entry(hydra_cfg.sweep.dir, num, overrides)
+    job = sweep_summary.job_entry(hydra_cfg.sweep.dir, num, overrides)
     # In the process that runs the job's launch (the sweep's launcher, a pool's worker, a
     # Slurm task): interrupted before its result, the job reads as one that ran.
-    sweep.mark_started(output_dir, job)
-    if cfg.fail_fast and sweep.earlier_job_failed(hydra_cfg.sweep.dir, num):
+    sweep_summary.mark_started(output_dir, job)
+    if cfg.fail_fast and sweep_summary.earlier_job_failed(hydra_cfg.sweep.dir, num):
         # Not counted in the exit status: the job that did not pass already decides it.
         message = "not run: fail_fast=true and an earlier job of this sweep did not pass"
-        write_result_and_page(output_dir, not_launched(config_case(cfg), "skipped", message, wall_s=0.0), job)
+        write_result_and_page(output_dir, RunResult.not_launched(config_case(cfg), "skipped", message, wall_s=0.0).to_json(),
+                              job)
         return EXIT_ERROR
     return _execute_sweep_job(cfg, output_dir, job, overrides, hydra_cfg)
 
@@ -189,8 +193,9 @@ def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: l
     if written is None:
         message = (f"the job's process {how} before it wrote its result (a signal, the OOM killer, or an "
                    f"implementation that ended it); its ranks ended with it")
-        written = write_result_and_page(output_dir, not_launched(config_case(cfg), "error", message, stage="launcher",
-                                                                 wall_s=time.perf_counter() - t0), job)
+        failed = RunResult.not_launched(config_case(cfg), "error", message, stage="launcher",
+                                        wall_s=time.perf_counter() - t0)
+        written = write_result_and_page(output_dir, failed.to_json(), job)
         print(console.render(written))
     if status in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # interrupted: the sweep stops, as it would here
         raise SystemExit(status)
@@ -212,14 +217,14 @@ def _execute_in_slot(cfg: DictConfig, output_dir: str, job: dict, overrides: lis
     """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
     this node (`launcher.config.job_slot`), else with the whole node."""
     cpus = devices.cpu_affinity()
-    planned = (sweep.read_record(sweep_dir) or {}).get("jobs")
+    planned = (sweep_summary.read_record(sweep_dir) or {}).get("jobs")
     planned_n = len(planned) if planned is not None else None
     if cpus is None or slot_count(launcher, planned_n, len(cpus), None) == 1:
         return execute(cfg, output_dir, job, overrides)
     try:
         device_env, node_devices = devices.node_devices()
     except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a job without a result
-        write_result_and_page(output_dir, launcher_error(config_case(cfg), e, wall_s=0.0), job)
+        write_result_and_page(output_dir, RunResult.launcher_error(config_case(cfg), e, wall_s=0.0).to_json(), job)
         return EXIT_ERROR
     count = slot_count(launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
     # Held until the job's result is written; released whatever happens, the job's death included.
@@ -227,10 +232,11 @@ def _execute_in_slot(cfg: DictConfig, output_dir: str, job: dict, overrides: lis
         return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env))
 
 
-def finish(code) -> int:
-    """The process's exit status once a run or a multirun started, from the files the run or
-    the sweep's jobs wrote; the warm ranks a sweep's last jobs left are closed, and no outcome
-    of this run is left for a later one in this process.
+def finish(code, status: int | None) -> int:
+    """The process's exit status once a run or a multirun started: a single run's `status`
+    (what `execute` returned), a multirun's from the files its jobs wrote; the warm ranks a
+    sweep's last jobs left are closed, and no outcome of this run is left for a later one in
+    this process.
 
     `code`: how Hydra's application ended (None: normally; 128 + a signal: interrupted; else
     Hydra's own error exit). A multirun that never reached its end still gets its summary:
@@ -239,12 +245,14 @@ def finish(code) -> int:
     an error.
     """
     rank_group.POOL.close()
-    unfinished, status = sweep.SweepSummary.unfinished_sweep, sweep.SweepSummary.exit_status
-    sweep.SweepSummary.exit_status = sweep.SweepSummary.unfinished_sweep = CheckedRun.spec = None
+    unfinished, swept = sweep_summary.SweepSummary.unfinished_sweep, sweep_summary.SweepSummary.exit_status
+    sweep_summary.SweepSummary.exit_status = sweep_summary.SweepSummary.unfinished_sweep = CheckedRun.spec = None
     interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
     if unfinished is not None:
-        summary = sweep.write_summary(unfinished, interrupted=interrupted)
+        summary = sweep_summary.write_summary(unfinished, interrupted=interrupted)
         return code if interrupted else max(summary, EXIT_ERROR)
     if code:
         return code if isinstance(code, int) else EXIT_ERROR
+    if swept is not None:
+        return swept
     return EXIT_PASS if status is None else status

@@ -30,14 +30,14 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf.errors import OmegaConfBaseException
 
-from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from layers.contract.config import ConfigError
 
 from launcher.config.output_dirs import fresh_dir
 from launcher.config.schema import refused_overrides
+from launcher.config.sweep_jobs import expand_jobs
 from launcher.report.console import table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
-from launcher.report.sweep import SWEEP_FILE, collect_rows, job_entry, write_summary
+from launcher.report.sweep_summary import SWEEP_FILE, collect_rows, job_entry, write_summary
 from launcher.run.preflight import preflight
 from launcher.store.snapshot_layer import with_snapshot_layer
 

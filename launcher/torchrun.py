@@ -33,10 +33,12 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from launcher.config.slurm import node_keys, rank_env, slurm_step
 from launcher.config.spec import RunSpec, config_case
 from launcher.report.console import render, where_line
-from launcher.report.result import EXIT_ERROR, build_result, exit_code, not_launched
+from launcher.report.result import EXIT_ERROR, exit_code
 from launcher.report.run_page import write_result_and_page
+from launcher.run import devices
 from launcher.run.launch import RankFailure, failed_stage, is_casualty
 from launcher.run.preflight import preflight
+from launcher.run.run_result import RunResult
 from launcher.run.worker import rank_main
 from layers.contract.config import ConfigError
 
@@ -73,8 +75,8 @@ def main(argv: list[str]) -> int:
         spec = preflight(cfg, output_dir, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        write_result_and_page(output_dir, not_launched(config_case(cfg), "config-error", str(e), wall_s=time.perf_counter() - t0,
-                                              stage="config"))
+        write_result_and_page(output_dir, RunResult.not_launched(config_case(cfg), "config-error", str(e), stage="config",
+                                                           wall_s=time.perf_counter() - t0).to_json())
         return EXIT_ERROR
     rank = int(os.environ["RANK"])
     if rank == 0:  # an earlier run's result must not stand for this one (no rank can fail a stage
@@ -92,7 +94,8 @@ def main(argv: list[str]) -> int:
         if is_casualty(f"{type(e).__name__}: {e}"):
             time.sleep(CASUALTY_EXIT_DELAY_S)
         return EXIT_ERROR
-    result = build_result(spec, rank_result=rank_result, error=None, log_dir=output_dir, wall_s=time.perf_counter() - t0)
+    result = RunResult.launched(spec, machine=devices.machine_entry(spec.backend, spec.local_ranks), rank_result=rank_result,
+                                error=None, log_dir=output_dir, wall_s=time.perf_counter() - t0).to_json()
     if rank_result.get("reporting"):  # the comparing rank reports for the run
         written = write_result_and_page(output_dir, result)
         print(render(result))
@@ -128,7 +131,8 @@ def _report_failure(spec: RunSpec, rank: int, exc: BaseException, *, wall_s: flo
                           exitcode=EXIT_ERROR, log_dir=spec.output_dir)
     if is_casualty(message) and os.path.exists(os.path.join(spec.output_dir, "result.json")):
         return
-    result = build_result(spec, rank_result=None, error=asdict(failure), log_dir=spec.output_dir, wall_s=wall_s)
+    result = RunResult.launched(spec, machine=devices.machine_entry(spec.backend, spec.local_ranks), rank_result=None,
+                                error=asdict(failure), log_dir=spec.output_dir, wall_s=wall_s).to_json()
     written = write_result_and_page(spec.output_dir, result)
     print(render(result))
     print(where_line(spec.output_dir, written))

@@ -54,7 +54,7 @@ class BenchSchema:
 
 @dataclass
 class FaultSchema:
-    kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.run.faults)
+    kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.run.fault_injection)
     rank: int = 0
     stage: str = "layer"  # fixture | golden | save | layer | gather | bench | compare
 

@@ -27,8 +27,8 @@ from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
 from layers.contract.layer import Layer
 from layers.registry import get_scope, validated
 
-from launcher.config.faults import Fault
-from launcher.config.faults import check_unset as check_fault_unset
+from launcher.config.fault_config import Fault
+from launcher.config.fault_config import check_unset as check_fault_unset
 from launcher.config.job_slot import JobSlot
 from launcher.config.overrides import foreign_case_key, override_keys
 from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer
@@ -44,7 +44,7 @@ DEFAULT_IMPL = "layers.tp.TorchTP"
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """Benchmark mode (`launcher.run.bench`): timed rounds after the validated step."""
+    """Benchmark mode (`launcher.run.bench_rounds`): timed rounds after the validated step."""
 
     rounds: int
     warmup: int = 0

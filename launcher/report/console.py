@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 
-from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.rank_phases import RANK_PHASES
+from launcher.report.bisect_lines import render as render_bisect
 from launcher.report.result import verdict, verdict_pair
 from launcher.report.verdict import check_names, decision, line as verdict_line
 
@@ -152,7 +153,7 @@ def render(result: dict) -> str:
         lines.append(f"VERDICT: {word} ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     secs = result["rank_seconds"]
-    stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in RANK_STAGES if any(s in (r or {}) for r in secs)]
+    stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in RANK_PHASES if any(s in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
     peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
     lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
@@ -180,8 +181,6 @@ def render(result: dict) -> str:
         lines += _integrity_lines(result["integrity"])
     lines.append(verdict_pair(result))
     if result.get("bisect"):
-        from launcher.verify.bisect import render as render_bisect  # imports torch: only a bisected run's
-
         lines += render_bisect(result["bisect"]).splitlines()
     lines.append(f"VERDICT: {verdict_line(decision(result, verdict(result)))} ({result['wall_s']:.1f}s)")
     return "\n".join(lines)

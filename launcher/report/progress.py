@@ -4,7 +4,7 @@ Owns the console side only; the events come from elsewhere. Each rank appends it
 events (`{rank, stage, event: start|done|failed, t}`, one JSON object a line) to
 `<output_dir>/progress/rank<r>.jsonl` (`launcher.run.worker.progress_path`); `StageWatcher` polls
 those files from a thread of the launcher process while the ranks run. The sweep callback
-(`launcher.report.sweep`) reports jobs as they start and end through the same `Display`.
+(`launcher.report.sweep_summary`) reports jobs as they start and end through the same `Display`.
 
 On a terminal the run in flight is one status line, rewritten in place; everywhere else
 (a pipe, a CI log, a file) every change is a plain line of its own, so the output has no
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.rank_phases import RANK_PHASES
 
 POLL_S = 0.2
 _CLEAR_LINE = "\r\x1b[2K"
@@ -155,7 +155,7 @@ class _Stage:
 
 def _stage_key(name: str) -> tuple[int, str]:
     """Stages in the order a rank runs them; a name not in the list sorts after them."""
-    return (RANK_STAGES.index(name) if name in RANK_STAGES else len(RANK_STAGES), name)
+    return (RANK_PHASES.index(name) if name in RANK_PHASES else len(RANK_PHASES), name)
 
 
 class StageWatcher:

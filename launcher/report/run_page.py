@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.rank_phases import RANK_PHASES
 from launcher.report import plots, svg
 from launcher.report.console import (
     case_items, comparator_text, fmt, group_text, reference_line, starts_text, where_lines,
@@ -286,7 +286,7 @@ def _integrity(entry: dict | None, heading: str, tag: str) -> list[str]:
 
 def _stage_times(result: dict) -> list[str]:
     secs = result["rank_seconds"]
-    stages = [s for s in RANK_STAGES if any(s in (r or {}) for r in secs)]
+    stages = [s for s in RANK_PHASES if any(s in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
     cpu = result.get("rank_cpu_seconds") or []  # absent from a result.json written before it was
     rows = []
@@ -354,7 +354,7 @@ def _count(n, thing: str) -> str:
 
 
 def _bench(bench: dict, output_dir: str | None) -> list[str]:
-    """`launcher.run.bench.summarize`'s figures: the rounds (each its slowest rank), each rank's,
+    """`launcher.run.bench_rounds.summarize`'s figures: the rounds (each its slowest rank), each rank's,
     a histogram of the rounds, each stage's share, the profiler traces."""
     out = ["<h2>benchmark</h2>",
            f"<p>{_count(bench.get('rounds'), 'timed round')} after {_count(bench.get('warmup'), 'warm-up round')}; "

@@ -15,7 +15,7 @@ import html
 import math
 from collections.abc import Sequence
 
-from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.rank_phases import RANK_PHASES
 
 FONT = "system-ui, -apple-system, Segoe UI, Roboto, Arial, sans-serif"
 INK = "#1f2328"
@@ -82,7 +82,7 @@ def _seconds(value: float) -> str:
 def stage_times(rank_seconds: Sequence[dict | None]) -> str:
     """Each rank's stage times as one horizontal bar of stacked stages (rank 0 on top), the
     stages in the order a rank runs them, a legend beside the axis."""
-    stages = [s for s in RANK_STAGES if any(s in (r or {}) for r in rank_seconds)]
+    stages = [s for s in RANK_PHASES if any(s in (r or {}) for r in rank_seconds)]
     ranks = len(rank_seconds)
     totals = [sum((r or {}).get(s, 0.0) for s in stages) for r in rank_seconds]
     ticks = linear_ticks(max(totals, default=0.0))

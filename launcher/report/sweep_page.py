@@ -1,6 +1,6 @@
 """The sweep page: `report.html` in a sweep's folder, beside summary.json and junit.xml.
 
-Built from the sweep's summary (`launcher.report.sweep.write_summary`) and its jobs'
+Built from the sweep's summary (`launcher.report.sweep_summary.write_summary`) and its jobs'
 result.json files: the pass / fail / error / skip counts; every job in one table, filterable by
 layer, scope, model, the case's keys (tp or ep, dp; the MoE layer's layer_id, num_tokens and
 balanced_routing) and verdict (a small inline script; without it every row shows), each

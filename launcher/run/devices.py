@@ -261,6 +261,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def machine_entry(requested_backend: str, local_ranks: int) -> dict:
+    """A run's record of what it ran on: the backend and this node's devices (`device_names`)."""
+    backend = resolve_backend(requested_backend)
+    return {"backend": backend, "devices": device_names(backend, local_ranks)}
+
+
 def device_names(backend: str, n: int) -> list[str]:
     """The names of the first `n` devices this node's ranks ran on (the CPU's model for gloo),
     for the record of a run; read after the ranks are gone."""

@@ -19,7 +19,7 @@ from launcher.run import lifeline
 # first pauses the garbage collector for the imports, the second arms the server to die with
 # the launcher, the last works out what every rank needs and resumes the collector.
 PRELOAD = ["launcher.run.import_gc", "launcher.run.lifeline", "torch", "torch.distributed", "hydra.utils", "launcher.run.worker", "launcher.run.rank_server", "layers.registry", "layers.tp",
-           "layers.stages", "launcher.verify.bisect", "launcher.run.rank_preload"]
+           "layers.stages", "launcher.run.bisect", "launcher.run.rank_preload"]
 
 # The CPU environment of every harness process, set before torch is imported (a value the
 # user set wins).

@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.rank_phases import RANK_PHASES
 from launcher.config.spec import RunSpec
 from launcher.run import devices, forkserver, rank_group, tee, watchdog
 from launcher.run.worker import progress_path, rank_main
@@ -50,7 +50,7 @@ _CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
 
 
 def failed_stage(traceback_text: str) -> tuple[str, float] | None:
-    """The stage a rank's exception left it in, and when (the note `RankStageTimer` adds)."""
+    """The stage a rank's exception left it in, and when (the note `RankPhaseTimer` adds)."""
     m = _STAGE_NOTE.search(traceback_text)
     return (m.group(2), float(m.group(3))) if m else None
 
@@ -173,7 +173,7 @@ def _describe(rank: int, f, log_root: str, run_id: str, silent: dict, killed: di
 
 
 def _stage_order(stage: str | None) -> int:
-    return RANK_STAGES.index(stage) if stage in RANK_STAGES else len(RANK_STAGES)
+    return RANK_PHASES.index(stage) if stage in RANK_PHASES else len(RANK_PHASES)
 
 
 def _recorded_failures(reported: list[ProcessFailure], log_root: str, run_id: str, nproc: int, rank_base: int,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from launcher.run import devices, golden_guard, lifeline, worker
+from launcher.run import devices, golden_guard, impl_contract, lifeline, worker
 
 # The elastic agent's variable naming a rank's error file, which `ErrorHandler` writes.
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -122,7 +122,7 @@ def serve(local_rank: int, env: dict[str, str], conn) -> None:
         try:
             if device is None:
                 devices.enter_job_slot(spec.slot)  # before anything counts the cores or devices
-                worker.note_sigint()
+                impl_contract.note_sigint()
             worker.begin_job(spec)
             if device is None:
                 device = worker.join_world(spec, local_rank)

@@ -7,7 +7,7 @@ event, not in a sleep, so leaving the `with` block copies whatever is left at on
 after up to a poll (torch's `TailLog` sleeps: its stop cost every job of a sweep up to a poll
 per file).
 
-Rank 0's own log records at INFO and below (`HH:MM:SS rank0 INFO stage layer done`) stay in its
+Rank 0's own log records at INFO and below (`HH:MM:SS rank0 INFO phase layer done`) stay in its
 log files: the progress display already says each stage once. `-v` on the command line
 (`show_log_records`) copies them too; warnings, errors and whatever the implementation prints
 always reach the console. On a terminal each copied line first clears the line it lands on:

@@ -1,14 +1,14 @@
 """The per-rank entry point: build the rank's fixture slice, run the implementation, gather, judge.
 
 Runs in every process the elastic agent starts (or under an external torchrun, which sets the
-same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Stages, in order
-(`launcher.config.rank_stages`):
+same RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* environment). Phases, in order
+(`launcher.config.rank_phases`):
 
     fixture -> golden -> [save] -> layer -> gather -> compare -> [bisect]
 
 The golden of a rank's shard (the single-device layer on that rank's tensors with the full O
 weights, spec validation.md §5.3) is computed on that rank, in parallel with the others, from
-clones taken before the implementation is even imported (in the layer stage), with the same
+clones taken before the implementation is even imported (in the layer phase), with the same
 thread count: the per-rank front of the layer is then bit-identical between golden and
 implementation, and only the output half differs by fp32 summation order. Each of the layer's checks is judged whole on a rank of its
 own (`launcher.run.judging`: every rank sends its shards of the check's tensors there), and
@@ -17,18 +17,20 @@ A rank's inputs and golden are read from the golden cache when its entries are w
 (`launcher.run.rank_data`). A golden that fails on any rank stops every rank before the
 implementation runs. Nothing the golden or the judges run may have been replaced (a
 monkey-patch, `launcher.run.golden_guard`): checked before the golden, after the implementation
-is imported and built, and after each time it ran; a change is a contract error.
+is imported and built, and after each time it ran; a change is a contract error
+(`launcher.run.impl_contract`).
 With `golden_data` the inputs and the reference come from a snapshot (each rank reads its own
 slice); `recompute_golden` adds the computed golden as a second reference.
 Rank 0 returns the run's result (a plain dict) to the launcher; the other ranks return the
 verdict rank 0 broadcast.
-Any exception carries a note naming the rank and stage, and the elastic error file keeps its
+Any exception carries a note naming the rank and phase, and the elastic error file keeps its
 traceback for the launcher's failure report.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -36,9 +38,7 @@ import json
 import logging
 import os
 import resource
-import signal
 import sys
-import threading
 import time
 from contextlib import contextmanager
 
@@ -51,68 +51,36 @@ from layers.contract.context import RankContext
 from layers.contract.tensors import Kind, tensor_sha256
 from layers.distributed import wire
 
-from launcher.config.faults import Fault
-from launcher.config.rank_stages import RANK_STAGES
+from launcher.config.fault_config import Fault
+from launcher.config.rank_phases import RANK_PHASES
 from launcher.config.spec import RunSpec
-from launcher.config.verdict_words import fails_the_run
-from launcher.run import bench, devices, faults, forkserver, golden_guard, judging, lifeline, nodes, watchdog
+from launcher.config.verdict_words import run_passes
+from launcher.run import (
+    bench_rounds,
+    bisect,
+    devices,
+    fault_injection,
+    forkserver,
+    golden_guard,
+    judging,
+    lifeline,
+    nodes,
+    watchdog,
+)
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
+from launcher.run.impl_contract import (
+    check_harness_untouched,
+    check_inputs_unchanged,
+    check_outputs,
+    implementation_contract,
+    note_sigint,
+)
 from launcher.run.rank_data import cached_golden, rank_inputs
 from launcher.store import snapshot
-from launcher.verify import bisect
 from launcher.verify.base import initial_key
 from launcher.verify.integrity import golden_nonfinite
 
 log = logging.getLogger("launcher.run.worker")
-
-
-class ImplContractError(RuntimeError):
-    """The implementation under test returned something that breaks the layer's contract."""
-
-
-_SIGINT_RECEIVED = threading.Event()
-
-
-def note_sigint() -> None:
-    """Note a real SIGINT before Python's handler turns it into KeyboardInterrupt (so that one
-    the implementation raises itself can be told apart). Main thread only, where handlers live."""
-    previous = signal.getsignal(signal.SIGINT)
-    if not callable(previous) or threading.current_thread() is not threading.main_thread():
-        return  # ignored or default: no signal becomes a KeyboardInterrupt
-
-    def handler(signum, frame):
-        _SIGINT_RECEIVED.set()
-        previous(signum, frame)
-
-    signal.signal(signal.SIGINT, handler)
-
-
-@contextmanager
-def implementation_contract(rank: int):
-    """The implementation's code returns its outputs or raises an error. A `sys.exit()` or a
-    KeyboardInterrupt of its own would end this rank without an error report while its peers
-    wait in the next collective, and a peer's timeout would be blamed: both are contract errors
-    of this rank. (A KeyboardInterrupt from a real Ctrl-C passes on.)"""
-    try:
-        yield
-    except SystemExit as e:
-        raise ImplContractError(f"rank {rank}: the implementation called sys.exit({e.code!r}) "
-                                f"instead of returning its outputs or raising an error") from e
-    except KeyboardInterrupt as e:
-        if _SIGINT_RECEIVED.is_set():
-            raise
-        raise ImplContractError(f"rank {rank}: the implementation raised KeyboardInterrupt itself (no Ctrl-C "
-                                f"reached this rank) instead of returning its outputs or raising an error") from e
-
-
-def check_harness_untouched(rank: int, when: str) -> None:
-    """Refuse to go on where a function the golden or the judges run was replaced
-    (`golden_guard`): a golden computed with it would be the implementation's math."""
-    changed = golden_guard.changes()
-    if changed:
-        raise ImplContractError(
-            f"rank {rank}: functions the golden and the judges run changed {when}: {'; '.join(changed)}. The "
-            "implementation must call its own functions, not replace the harness's or torch's")
 
 
 class GoldenNotFinite(RuntimeError):
@@ -121,15 +89,15 @@ class GoldenNotFinite(RuntimeError):
 
 
 def progress_path(output_dir: str, rank: int) -> str:
-    """Where rank `rank` appends its stage events (JSON lines) for the launcher's progress display."""
+    """Where rank `rank` appends its phase events (JSON lines) for the launcher's progress display."""
     return os.path.join(output_dir, "progress", f"rank{rank}.jsonl")
 
 
-class RankStageTimer:
-    """The stages of this rank's run (`launcher.config.rank_stages`): times each (wall, and the
-    CPU of every thread of this process: a stage whose wall far exceeds its CPU waited on a
+class RankPhaseTimer:
+    """The phases of this rank's run (`launcher.config.rank_phases`): times each (wall, and the
+    CPU of every thread of this process: a phase whose wall far exceeds its CPU waited on a
     peer, a device or the disk), records its start and end as progress events, fires a
-    configured fault at its start, and tags a failure with the rank and stage it happened in."""
+    configured fault at its start, and tags a failure with the rank and phase it happened in."""
 
     def __init__(self, rank: int, output_dir: str, fault: Fault | None = None):
         self.rank = rank
@@ -144,13 +112,13 @@ class RankStageTimer:
         self._events.write(json.dumps({"rank": self.rank, "stage": name, "event": event, "t": time.time()}) + "\n")
 
     @contextmanager
-    def stage(self, name: str):
-        assert name in RANK_STAGES, name
+    def phase(self, name: str):
+        assert name in RANK_PHASES, name
         t0, cpu0 = time.perf_counter(), time.process_time()
-        log.info("stage %s ...", name)
+        log.info("phase %s ...", name)
         self._event(name, "start")
         try:
-            faults.at_stage_start(self.fault, name, self.rank)
+            fault_injection.at_stage_start(self.fault, name, self.rank)
             yield
         except BaseException as e:
             self._event(name, "failed")
@@ -159,40 +127,13 @@ class RankStageTimer:
         self.seconds[name] = time.perf_counter() - t0
         self.cpu_seconds[name] = time.process_time() - cpu0
         self._event(name, "done")
-        log.info("stage %s done (%.2fs)", name, self.seconds[name])
+        log.info("phase %s done (%.2fs)", name, self.seconds[name])
 
 
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
     )
-
-
-def check_outputs(outputs, expected_specs: dict, rank: int) -> None:
-    """Refuse, on the rank that produced it, an output the gather and comparators cannot take."""
-    if not isinstance(outputs, dict):
-        raise ImplContractError(f"rank {rank}: impl returned {type(outputs).__name__}, expected a dict of tensors")
-    missing = [n for n in expected_specs if n not in outputs]
-    if missing:
-        raise ImplContractError(f"rank {rank}: impl did not return {', '.join(missing)}")
-    for name, spec in expected_specs.items():
-        t = outputs[name]
-        if not isinstance(t, torch.Tensor):
-            raise ImplContractError(f"rank {rank}: impl output '{name}' is {type(t).__name__}, expected a tensor")
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-            raise ImplContractError(
-                f"rank {rank}: impl output '{name}' has shape {tuple(t.shape)} dtype {t.dtype}, "
-                f"expected shape {spec.shape} dtype {spec.dtype}"
-            )
-
-
-def check_inputs_unchanged(tensors: dict[str, torch.Tensor], digests: dict[str, str], rank: int) -> None:
-    """Refuse an implementation that changed a pure input in place (only in-outs may change):
-    `digests` are the inputs' sha256 taken when the fixture was built."""
-    changed = [n for n, digest in digests.items() if tensor_sha256(tensors[n]) != digest]
-    if changed:
-        raise ImplContractError(f"rank {rank}: impl changed its pure input(s) {', '.join(changed)} in place "
-                                "(the contract lets only the in-out caches and states change)")
 
 
 def check_reference_finite(spec: RunSpec, case, layer, source: str, reference: dict, mappings: dict,
@@ -324,137 +265,233 @@ def stop_unless_every_reference_was_made(failure: Exception | None, rank: int, w
         raise ReferenceFailed(f"rank {rank}: the golden failed on rank(s) {ranks}; no rank runs the implementation")
 
 
+@dataclasses.dataclass(frozen=True)
+class RankJob:
+    """What every phase of one rank's job reads: the run, this rank's place and its case's tensors."""
+
+    spec: RunSpec
+    layout: GroupLayout
+    device: torch.device
+    ctx: RankContext
+    timer: RankPhaseTimer
+
+    @property
+    def case(self):
+        return self.ctx.case
+
+    @property
+    def layer(self):
+        return self.spec.layer
+
+    @functools.cached_property
+    def specs(self) -> dict:
+        return self.layer.tensor_specs(self.case)
+
+    @functools.cached_property
+    def compared(self) -> list[str]:
+        return self.layer.compared_names(self.case)
+
+    @functools.cached_property
+    def in_names(self) -> list[str]:
+        return [n for n, s in self.specs.items() if s.kind is not Kind.OUTPUT]
+
+    @functools.cached_property
+    def pure(self) -> tuple[str, ...]:
+        return self.layer.names_of(self.case, Kind.INPUT)
+
+
 def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
     """One rank's run; `layout` places it in its TP group, `group` is that group's process
     group. The harness's gathers (a snapshot's to global rank 0, each compared tensor's to
-    its judge) go over the world group."""
+    its judge) go over the world group. One function per phase; the tensors a phase no longer
+    needs are dropped here, before the judges stack theirs."""
     case = spec.case.of_group(layout.group)
-    rank, grank, world = layout.rank, layout.group_rank, layout.world
-    layer = spec.layer
-    timer = RankStageTimer(rank, spec.output_dir, spec.fault)
-    specs = layer.tensor_specs(case)
-    compared = layer.compared_names(case)
-    in_names = [n for n, s in specs.items() if s.kind is not Kind.OUTPUT]
-    mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
-    inout = [n for n in compared if specs[n].kind is Kind.INOUT]
-    pure = layer.names_of(case, Kind.INPUT)
-    with timer.stage("fixture"):
-        check_harness_untouched(rank, "before this job's golden (by an implementation imported before it: an "
-                                      "earlier job's on this warm rank, or this one's by the preflight of this "
-                                      "process or of the one it was forked from)")
-        wo_full, inputs_cache = None, None
-        if spec.golden_data:
-            inputs = snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs)
-            input_digests = {n: tensor_sha256(inputs[n]) for n in pure}
-        else:
-            made = rank_inputs(spec, layer, case, grank, pure, stores_group=layout.leads_group_on(node_ranks(spec)))
-            inputs, input_digests, wo_full, inputs_cache = made.tensors, made.sha256, made.wo_full, made.cache
-            del made  # the tensors go with `inputs`, before the judges stack theirs
+    ctx = RankContext(case=case, rank=layout.group_rank, device=device, group=group, global_rank=layout.rank,
+                      group_index=layout.group)
+    job = RankJob(spec, layout, device, ctx, RankPhaseTimer(layout.rank, spec.output_dir, spec.fault))
+    inputs, input_digests, wo_full, inputs_cache = _fixture_phase(job)
     # Every reference is made before the implementation is imported, from clones of the inputs:
     # nothing its module, constructor or call does can reach it.
-    ctx = RankContext(case=case, rank=grank, device=device, group=group, global_rank=rank, group_index=layout.group)
-    references, cache_status, context = {}, None, {}
-    if spec.golden:
-        failure = None
-        try:
-            with timer.stage("golden"):
-                if spec.golden_data:
-                    references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, grank, specs)
-                if not spec.golden_data or spec.recompute_golden:
-                    references["golden"], cache_status = cached_golden(spec, layer, ctx, inputs, wo_full)
-                for source, reference in references.items():
-                    check_reference_finite(spec, case, layer, source, reference, inputs, rank,
-                                           cached=source == "golden" and cache_status == "hit")
-                context = {n: inputs[n].clone() for n in mappings}
-                context.update({initial_key(n): inputs[n].clone() for n in inout})
-        except Exception as e:  # raised once every rank has heard of it
-            failure = e
-        stop_unless_every_reference_was_made(failure, rank, world, device)
+    references, cache_status, context = _golden_phase(job, inputs, wo_full) if spec.golden else ({}, None, {})
     del wo_full
     if spec.save_data:
-        with timer.stage("save"):
-            stacked_in = gather_to_rank0(inputs, in_names, rank, world, device)
-            stacked_out = gather_to_rank0(next(iter(references.values())), compared, rank, world, device)
-            if rank == 0:
-                for g, (ins, outs) in enumerate(zip(by_group(stacked_in, layout), by_group(stacked_out, layout))):
-                    folder = spec.save_data if layout.dp == 1 else os.path.join(spec.save_data, f"group{g}")
-                    group_case = spec.case.of_group(g)
-                    snapshot.save(folder, group_case, specs, ins, outs, _starts(ins, group_case))
-            del stacked_in, stacked_out
-    with timer.stage("layer"):
+        _save_phase(job, inputs, references)
+    impl, tensors, pristine, outputs = _layer_phase(job, inputs, input_digests)
+    if not spec.bench:
+        del tensors  # what the outputs do not alias is freed before the judges stack
+    del inputs
+    held = _gather_phase(job, outputs, references, context)
+    del outputs, context
+    bench_figures = None
+    if spec.bench:
+        bench_figures = _bench_phase(job, impl, tensors, pristine)
+        del tensors, pristine
+    judged = []
+    if spec.golden:
+        judged = _compare_phase(job, held)
+    del held
+    stats, comparisons, integrity = _collect_figures(job, cache_status, inputs_cache, judged, list(references))
+    # Every rank learns the verdict (None: nothing was compared), so every node exits with rank
+    # 0's verdict code: the reference verdicts and the integrity checks beside them.
+    passed = _verdict_of_rank0(_passed(comparisons, integrity) if comparisons is not None else None,
+                               layout.world, device)
+    located = _bisect_phase(job, impl) if spec.bisect and passed is False else None
+    return _rank_result(job, passed, comparisons, integrity, located, bench_figures, stats)
+
+
+def _fixture_phase(job: RankJob):
+    """This rank's inputs (a snapshot's slice, or drawn / read from the golden cache) and the
+    sha256 of its pure inputs; the full O weights and the inputs' cache status where drawn."""
+    spec, grank = job.spec, job.layout.group_rank
+    with job.timer.phase("fixture"):
+        check_harness_untouched(job.layout.rank, "before this job's golden (by an implementation imported before "
+                                                 "it: an earlier job's on this warm rank, or this one's by the "
+                                                 "preflight of this process or of the one it was forked from)")
+        if spec.golden_data:
+            inputs = snapshot.load_rank(spec.golden_data, "in", job.in_names, grank, job.specs)
+            return inputs, {n: tensor_sha256(inputs[n]) for n in job.pure}, None, None
+        made = rank_inputs(spec, job.layer, job.case, grank, job.pure,
+                           stores_group=job.layout.leads_group_on(node_ranks(spec)))
+        return made.tensors, made.sha256, made.wo_full, made.cache
+
+
+def _golden_phase(job: RankJob, inputs: dict, wo_full):
+    """The references (the snapshot's, the computed golden or both), checked finite, and the
+    context the judges need (mapping tensors, the in-outs' initial values). A golden that
+    fails on any rank stops every rank here."""
+    spec, layer, case, rank = job.spec, job.layer, job.case, job.layout.rank
+    references, cache_status, context = {}, None, {}
+    failure = None
+    try:
+        with job.timer.phase("golden"):
+            if spec.golden_data:
+                references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", job.compared,
+                                                            job.layout.group_rank, job.specs)
+            if not spec.golden_data or spec.recompute_golden:
+                references["golden"], cache_status = cached_golden(spec, layer, job.ctx, inputs, wo_full)
+            for source, reference in references.items():
+                check_reference_finite(spec, case, layer, source, reference, inputs, rank,
+                                       cached=source == "golden" and cache_status == "hit")
+            mappings = sorted({c.mapping for c in layer.checks(case) if isinstance(c, PoolCheck)})
+            context = {n: inputs[n].clone() for n in mappings}
+            inout = [n for n in job.compared if job.specs[n].kind is Kind.INOUT]
+            context.update({initial_key(n): inputs[n].clone() for n in inout})
+    except Exception as e:  # raised once every rank has heard of it
+        failure = e
+    stop_unless_every_reference_was_made(failure, rank, job.layout.world, job.device)
+    return references, cache_status, context
+
+
+def _save_phase(job: RankJob, inputs: dict, references: dict) -> None:
+    """Every group's inputs and reference outputs, stacked on global rank 0, saved as snapshots."""
+    spec, layout, rank = job.spec, job.layout, job.layout.rank
+    with job.timer.phase("save"):
+        stacked_in = gather_to_rank0(inputs, job.in_names, rank, layout.world, job.device)
+        stacked_out = gather_to_rank0(next(iter(references.values())), job.compared, rank, layout.world, job.device)
+        if rank == 0:
+            for g, (ins, outs) in enumerate(zip(by_group(stacked_in, layout), by_group(stacked_out, layout))):
+                folder = spec.save_data if layout.dp == 1 else os.path.join(spec.save_data, f"group{g}")
+                group_case = spec.case.of_group(g)
+                snapshot.save(folder, group_case, job.specs, ins, outs, _starts(ins, group_case))
+
+
+def _layer_phase(job: RankJob, inputs: dict, input_digests: dict):
+    """The implementation imported, built and called once on this rank's tensors; its outputs
+    checked against the contract. Returns the implementation, the tensors it was called on,
+    the in-outs' values before the step (for the benchmark) and its outputs."""
+    spec, rank, specs = job.spec, job.layout.rank, job.specs
+    with job.timer.phase("layer"):
         with implementation_contract(rank):
             impl = instantiate(spec.impl)
         check_harness_untouched(rank, "on import or construction of the implementation")
-        tensors = {n: t.to(device) for n, t in inputs.items()}
+        tensors = {n: t.to(job.device) for n, t in inputs.items()}
         # The benchmark restores the in-out tensors to their values before the step.
         pristine = {n: t.clone() for n, t in tensors.items() if specs[n].kind is Kind.INOUT} if spec.bench else {}
-        pure_tensors = {n: tensors[n] for n in pure}  # the implementation may rebind the dict's entries
+        pure_tensors = {n: tensors[n] for n in job.pure}  # the implementation may rebind the dict's entries
         with implementation_contract(rank):
-            outputs = impl(ctx, tensors)
+            outputs = impl(job.ctx, tensors)
         check_harness_untouched(rank, "while the implementation ran")
         # An output fault hits the layer's output (x_out, x_next), a focused scope's first in-out.
-        faults.on_outputs(spec.fault, rank, outputs, (layer.names_of(case, Kind.OUTPUT) or compared)[0], case.seq)
-        check_outputs(outputs, {n: specs[n] for n in compared}, rank)
+        fault_injection.on_outputs(spec.fault, rank, outputs,
+                                   (job.layer.names_of(job.case, Kind.OUTPUT) or job.compared)[0], job.case.seq)
+        check_outputs(outputs, {n: specs[n] for n in job.compared}, rank)
         check_inputs_unchanged(pure_tensors, input_digests, rank)
-        del pure_tensors
-    with timer.stage("gather"):
-        if not spec.bench:
-            del tensors  # what the outputs do not alias is freed before the judges stack
-        del inputs
+    return impl, tensors, pristine, outputs
+
+
+def _gather_phase(job: RankJob, outputs: dict, references: dict, context: dict) -> dict:
+    """Each compared tensor's shards (outputs, references, context) sent to the rank that judges it."""
+    with job.timer.phase("gather"):
         release_freed_memory()  # glibc keeps freed heap resident; the stacks are new mappings
-        held = {}
-        if references:
-            assignments = judging.plan(layer.checks(case), context, specs, len(references), world)
-            held = judging.send_to_judges(assignments, outputs, references, context, rank, world, device)
-        del outputs, context
-    bench_figures = None
-    if spec.bench:
-        with timer.stage("bench"):
-            trace = os.path.join(spec.output_dir, "profile", f"rank{rank}.json") if spec.bench.profile else None
-            if trace:
-                os.makedirs(os.path.dirname(trace), exist_ok=True)
-            times = bench.run_rounds(impl, ctx, tensors, pristine, spec.bench, trace)
-            check_harness_untouched(rank, "while the benchmark ran the implementation")
-            del tensors, pristine
-            every = [None] * world if rank == 0 else None
-            dist.gather_object(times, every, dst=0)
-            if rank == 0:
-                bench_figures = bench.summarize(spec.bench, every)
-                if trace:
-                    bench_figures["profiles"] = [os.path.join("profile", f"rank{r}.json") for r in range(world)]
-    judged = []
-    if spec.golden:
-        with timer.stage("compare"):
-            cases = [spec.case.of_group(g) for g in range(layout.dp)]
-            judged = judging.judge(held, cases, layer.checks, spec.tolerances, layout, spec.integrity)
-        del held
+        if not references:
+            return {}
+        world = job.layout.world
+        assignments = judging.plan(job.layer.checks(job.case), context, job.specs, len(references), world)
+        return judging.send_to_judges(assignments, outputs, references, context, job.layout.rank, world, job.device)
+
+
+def _bench_phase(job: RankJob, impl, tensors: dict, pristine: dict) -> dict | None:
+    """The benchmark's timed rounds on every rank; rank 0 returns their summary."""
+    spec, rank, world = job.spec, job.layout.rank, job.layout.world
+    with job.timer.phase("bench"):
+        trace = os.path.join(spec.output_dir, "profile", f"rank{rank}.json") if spec.bench.profile else None
+        if trace:
+            os.makedirs(os.path.dirname(trace), exist_ok=True)
+        times = bench_rounds.run_rounds(impl, job.ctx, tensors, pristine, spec.bench, trace)
+        check_harness_untouched(rank, "while the benchmark ran the implementation")
+        every = [None] * world if rank == 0 else None
+        dist.gather_object(times, every, dst=0)
+        if rank != 0:
+            return None
+        figures = bench_rounds.summarize(spec.bench, every)
+        if trace:
+            figures["profiles"] = [os.path.join("profile", f"rank{r}.json") for r in range(world)]
+        return figures
+
+
+def _compare_phase(job: RankJob, held: dict) -> list:
+    """The verdicts of the checks this rank judges."""
+    spec, layout = job.spec, job.layout
+    with job.timer.phase("compare"):
+        cases = [spec.case.of_group(g) for g in range(layout.dp)]
+        return judging.judge(held, cases, job.layer.checks, spec.tolerances, layout, spec.integrity)
+
+
+def _collect_figures(job: RankJob, cache_status, inputs_cache, judged: list, sources: list[str]):
+    """Every rank's figures and verdicts on rank 0: (stats, comparisons, integrity), the last two
+    by group ({reference: verdicts}, {reference: checks}); None off rank 0 or where nothing was compared."""
+    spec, rank, world = job.spec, job.layout.rank, job.layout.world
     stats = [None] * world if rank == 0 else None
-    dist.gather_object({"seconds": timer.seconds, "cpu_seconds": timer.cpu_seconds, "golden_cache": cache_status,
-                        "inputs_cache": inputs_cache, "peak_rss_mib": peak_rss_mib(), "cpus": devices.cpu_affinity(),
-                        "judged": judged},
+    dist.gather_object({"seconds": job.timer.seconds, "cpu_seconds": job.timer.cpu_seconds,
+                        "golden_cache": cache_status, "inputs_cache": inputs_cache, "peak_rss_mib": peak_rss_mib(),
+                        "cpus": devices.cpu_affinity(), "judged": judged},
                        stats, dst=0)
-    comparisons = integrity = None
-    if rank == 0 and spec.golden:  # by group: {reference: verdicts}, {reference: checks}
-        comparisons, integrity = judging.collect([s.pop("judged") for s in stats], layout.dp, list(references),
-                                                 spec.integrity)
-    # Every rank learns the verdict (None: nothing was compared), so every node exits with rank
-    # 0's verdict code: the reference verdicts and the integrity checks beside them.
-    passed = _verdict_of_rank0(_passed(comparisons, integrity) if comparisons is not None else None, world, device)
-    located = None
-    if spec.bisect and passed is False:
-        with timer.stage("bisect"):
-            # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
-            fresh = (snapshot.load_rank(spec.golden_data, "in", in_names, grank, specs) if spec.golden_data
-                     else layer.rank_inputs(case, grank))
-            with implementation_contract(rank):
-                walked = bisect.bisect_rank(layer, ctx, fresh, impl)
-            check_harness_untouched(rank, "while bisect ran the implementation")
-            merged = bisect.gather_bisect(ctx, walked)
-            located = [None] * world if rank == 0 else None
-            dist.gather_object(merged, located, dst=0)  # each group's rank 0 holds its group's report
-            if rank == 0:
-                located = [located[g * layout.tp] for g in range(layout.dp)]
-    if rank != 0:
+    if rank != 0 or not spec.golden:
+        return stats, None, None
+    comparisons, integrity = judging.collect([s.pop("judged") for s in stats], job.layout.dp, sources, spec.integrity)
+    return stats, comparisons, integrity
+
+
+def _bisect_phase(job: RankJob, impl) -> list | None:
+    """A failing run re-run stage by stage (`launcher.run.bisect`); rank 0 returns each group's report."""
+    spec, layout, rank = job.spec, job.layout, job.layout.rank
+    with job.timer.phase("bisect"):
+        # Fresh inputs: on the CPU the run above updated its (aliased) in-outs in place.
+        fresh = (snapshot.load_rank(spec.golden_data, "in", job.in_names, layout.group_rank, job.specs)
+                 if spec.golden_data else job.layer.rank_inputs(job.case, layout.group_rank))
+        with implementation_contract(rank):
+            walked = bisect.bisect_rank(job.layer, job.ctx, fresh, impl)
+        check_harness_untouched(rank, "while bisect ran the implementation")
+        merged = bisect.gather_bisect(job.ctx, walked)
+        located = [None] * layout.world if rank == 0 else None
+        dist.gather_object(merged, located, dst=0)  # each group's rank 0 holds its group's report
+        return [located[g * layout.tp] for g in range(layout.dp)] if rank == 0 else None
+
+
+def _rank_result(job: RankJob, passed, comparisons, integrity, located, bench_figures, stats) -> dict:
+    """What this rank returns to the launcher: rank 0 the run's figures, the others the verdict."""
+    spec, layout = job.spec, job.layout
+    if layout.rank != 0:
         return {"reporting": False, "passed": passed, "comparisons": None}
     return {
         "reporting": True,  # rank 0: compared and holds every rank's figures
@@ -484,13 +521,9 @@ def _verdict_of_rank0(verdict: bool | None, world: int, device) -> bool | None:
 
 
 def _passed(comparisons: list[dict], integrity: list[dict | None]) -> bool | None:
-    """No reference check fails the run (a diagnostic one never does), no integrity check fails;
-    None where no check counts (every one diagnostic, no integrity check): UNCHECKED on every node."""
+    """The run's verdict over every group (`run_passes`; None: UNCHECKED on every node)."""
     checks = [c for by_ref in integrity if by_ref is not None for cs in by_ref.values() for c in cs]
-    verdicts = [v for by_ref in comparisons for vs in by_ref.values() for v in vs]
-    if not checks and all(v.get("diagnostic") for v in verdicts):
-        return None
-    return not any(fails_the_run(v) for v in verdicts) and all(c["passed"] for c in checks)
+    return run_passes([v for by_ref in comparisons for vs in by_ref.values() for v in vs], checks)
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch
 
 from launcher.config.spec import BenchSpec
 from launcher.report.console import bench_lines
-from launcher.run.bench import RankTimes, run_rounds, summarize
+from launcher.run.bench_rounds import RankTimes, run_rounds, summarize
 from layers.contract.case import Case
 from layers.contract.config import TINY
 from layers.contract.context import RankContext

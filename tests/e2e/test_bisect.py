@@ -1,4 +1,4 @@
-"""Bisect (launcher.verify.bisect, layers.stages) on real gloo ranks: each stage's defect is found there.
+"""Bisect (launcher.run.bisect, layers.stages) on real gloo ranks: each stage's defect is found there.
 
 A defect is the default implementation with one stage replaced by name (the pattern of
 tests/defects.py), on one rank where the stage is rank-local, so the report must name both
@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.verify.bisect import OUTPUTS_STAGE, bisect_rank, gather_bisect, golden_chain, render
+from launcher.report.bisect_lines import render
+from launcher.run.bisect import OUTPUTS_STAGE, bisect_rank, gather_bisect, golden_chain
 from layers.distributed.golden_walk import every_rank
 from layers import stages, tp
 from layers.hca import layer as hca

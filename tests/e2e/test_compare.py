@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launcher.report.compare import Job, Thresholds, compare
+from launcher.report.regressions import Job, Thresholds, compare
 from launcher.report.result import SCHEMA_VERSION
 
 from ..conftest import REPO, run_cli

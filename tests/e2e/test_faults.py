@@ -60,7 +60,7 @@ def test_process_fault_is_reported_with_rank_and_stage(tp_run, tmp_path, kind, s
     assert err["log_dir"] and err["log_dir"].endswith(os.path.join("attempt_0", "1")), run
     assert os.path.isfile(os.path.join(err["log_dir"], "stderr.log"))
     # The traceback box holds what went wrong, not the rank's INFO records of its stages.
-    assert " INFO stage " not in err["traceback"], err["traceback"]
+    assert " INFO phase " not in err["traceback"], err["traceback"]
     _no_orphans(str(tmp_path))
 
 

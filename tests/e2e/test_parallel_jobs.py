@@ -29,7 +29,7 @@ from launcher.run import devices, slots
 from ..conftest import REPO, compose_config, multirun
 
 JOBLIB = {"_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher", "n_jobs": 2}
-SEQUENTIAL = {"_target_": "hydra_plugins.dsv4_tp_harness.sweep.HarnessLauncher"}  # the default: one job at a time
+SEQUENTIAL = {"_target_": "hydra_plugins.dsv4_tp_harness.harness_sweeper.HarnessLauncher"}  # the default: one job at a time
 
 
 # -- how many slots, and what each one holds ---------------------------------------------------

@@ -14,10 +14,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from launcher.report.compare import Thresholds, compare, match
-from launcher.report.compare import load as compare_jobs
-from launcher.report.compare import render as render_comparison
-from launcher.report.sweep import case_name, job_row
+from launcher.report.regressions import Thresholds, compare, match
+from launcher.report.regressions import load as compare_jobs
+from launcher.report.regressions import render as render_comparison
+from launcher.report.sweep_summary import case_name, job_row
 from launcher.run.preflight import preflight
 from launcher.store import golden_cache
 from launcher.store.snapshot_layer import with_snapshot_layer

@@ -17,8 +17,8 @@ import torch
 
 from launcher.report.console import render
 from launcher.report import plots
-from launcher.report.sweep import job_row
-from launcher.report.sweep import table as sweep_table
+from launcher.report.sweep_summary import job_row
+from launcher.report.sweep_summary import table as sweep_table
 from launcher.verify import mapped_pool_ratio_allclose, ratio_reldiff
 from launcher.verify.base import initial_key
 from launcher.verify.where import error_maps, tally

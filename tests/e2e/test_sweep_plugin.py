@@ -1,4 +1,4 @@
-"""The harness's sweeper and launcher (`hydra_plugins.dsv4_tp_harness.sweep`), the default of
+"""The harness's sweeper and launcher (`hydra_plugins.dsv4_tp_harness.harness_sweeper`), the default of
 `python -m launcher -m`: the basic pair's jobs in the basic pair's order, each job's config
 composed once instead of twice, a job that cannot be composed still refusing the whole sweep
 before any job runs; and shown to Hydra where an editable install hides them."""
@@ -15,8 +15,8 @@ import hydra_plugins
 import pytest
 from hydra.errors import HydraException
 
-from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from launcher.cli import show_our_plugins_to_hydra
+from launcher.config.sweep_jobs import expand_jobs
 
 from ..conftest import REPO
 

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_module
 
 from launcher.report import progress
 from launcher.report.result import EXIT_ERROR, EXIT_FAIL, EXIT_PASS, SCHEMA_VERSION
-from launcher.report.sweep import junit_tree
+from launcher.report.sweep_summary import junit_tree
 from launcher.run import devices
 from launcher.run.preflight import preflight
 from launcher.store import snapshot

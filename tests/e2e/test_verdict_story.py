@@ -42,7 +42,7 @@ def test_a_run_that_failed_by_integrity_alone_says_so_everywhere_and_where_its_f
     # The run's last line: its folder and its page.
     assert p.stdout.rstrip().splitlines()[-1] == f"run folder: {out}; page: {out}/report.html", p.stdout
     # One line per stage: rank 0's INFO records stay in its log files.
-    assert "INFO stage" not in p.stdout + p.stderr and "layer done on 2/2 ranks" in p.stderr, p.stderr
+    assert "INFO phase" not in p.stdout + p.stderr and "layer done on 2/2 ranks" in p.stderr, p.stderr
 
 
 def test_a_passing_run_names_its_folder_and_verbose_shows_rank_logs(tmp_path):
@@ -50,7 +50,7 @@ def test_a_passing_run_names_its_folder_and_verbose_shows_rank_logs(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "VERDICT: PASS (" in p.stdout
     assert p.stdout.rstrip().splitlines()[-1] == f"run folder: {out}; page: {out}/report.html", p.stdout
-    assert "rank0 INFO stage layer done" in p.stdout + p.stderr
+    assert "rank0 INFO phase layer done" in p.stdout + p.stderr
 
 
 def test_every_check_off_is_unchecked_and_exits_0(tp_run):

@@ -22,7 +22,7 @@ class _Terminal(io.StringIO):
 
 def test_rank0_info_records_stay_in_the_log_unless_verbose(tmp_path):
     log = tmp_path / "stderr.log"
-    log.write_text("03:39:28 rank0 INFO stage layer done (0.04s)\n03:39:28 rank0 WARNING slow\nan impl's print\n")
+    log.write_text("03:39:28 rank0 INFO phase layer done (0.04s)\n03:39:28 rank0 WARNING slow\nan impl's print\n")
     quiet, loud = _Terminal(), io.StringIO()
     with tee.Tee([(str(log), quiet)], "[rank0]:", poll_s=0.005):
         pass
@@ -33,11 +33,11 @@ def test_rank0_info_records_stay_in_the_log_unless_verbose(tmp_path):
             pass
     finally:
         tee.show_log_records(False)
-    assert "INFO stage layer done" in loud.getvalue() and "\x1b" not in loud.getvalue()
+    assert "INFO phase layer done" in loud.getvalue() and "\x1b" not in loud.getvalue()
 
 
 def test_a_ranks_traceback_holds_no_info_records(tmp_path):
-    (tmp_path / "stderr.log").write_text("03:39:28 rank1 INFO stage layer ...\nTraceback (most recent call last):\n"
+    (tmp_path / "stderr.log").write_text("03:39:28 rank1 INFO phase layer ...\nTraceback (most recent call last):\n"
                                          "RuntimeError: boom\n")
     assert launch._stderr_tail(str(tmp_path)) == "Traceback (most recent call last):\nRuntimeError: boom"
 

@@ -308,7 +308,7 @@ def test_a_moe_run_names_its_ep_case_not_tp():
 
 
 def test_a_moe_sweep_shows_and_filters_by_the_moe_case_keys(tmp_path):
-    from launcher.report.sweep import table
+    from launcher.report.sweep_summary import table
 
     sweep_dir, summary = _sweep(tmp_path)
     for row, tokens in zip(summary["jobs"], (37, 37, 128)):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hydra_plugins.dsv4_tp_harness import sweep
+from hydra_plugins.dsv4_tp_harness import harness_sweeper
 
 JOBS = [[f"tp={tp}"] for tp in (1, 2, 4, 8, 16, 32)]
 LAUNCHER = os.getpid()
@@ -42,7 +42,7 @@ def two_cores(monkeypatch):
 
 def test_every_job_once_in_job_order_on_two_processes(tmp_path, two_cores):
     log = tmp_path / "log"
-    configs = sweep.compose_all(_recording(log), JOBS)
+    configs = harness_sweeper.compose_all(_recording(log), JOBS)
     assert [c["job"] for c in configs] == [j[0] for j in JOBS]
     assert sorted(job for _, job in _log(log)) == sorted(j[0] for j in JOBS)  # each once
     by = {c["job"]: c["pid"] for c in configs}
@@ -51,20 +51,20 @@ def test_every_job_once_in_job_order_on_two_processes(tmp_path, two_cores):
 
 def test_one_job_or_one_core_composes_here(tmp_path, monkeypatch):
     log = tmp_path / "log"
-    assert [c["pid"] for c in sweep.compose_all(_recording(log), JOBS[:1])] == [LAUNCHER]
+    assert [c["pid"] for c in harness_sweeper.compose_all(_recording(log), JOBS[:1])] == [LAUNCHER]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert {c["pid"] for c in sweep.compose_all(_recording(log), JOBS)} == {LAUNCHER}
+    assert {c["pid"] for c in harness_sweeper.compose_all(_recording(log), JOBS)} == {LAUNCHER}
 
 
 @pytest.mark.parametrize("bad", [["tp=2", "tp=4"], ["tp=4", "tp=8"]])  # the first bad one composed by a copy, or here
 def test_the_first_bad_job_raises_its_own_error_here(tmp_path, two_cores, bad):
     with pytest.raises(ValueError, match=f"cannot compose {bad[0]}$"):
-        sweep.compose_all(_recording(tmp_path / "log", fail=bad), JOBS)
+        harness_sweeper.compose_all(_recording(tmp_path / "log", fail=bad), JOBS)
 
 
 def test_a_copy_that_dies_leaves_its_jobs_to_the_launcher(tmp_path, two_cores):
     log = tmp_path / "log"
-    configs = sweep.compose_all(_recording(log, in_copy=lambda job: os._exit(3) if job == ["tp=8"] else None), JOBS)
+    configs = harness_sweeper.compose_all(_recording(log, in_copy=lambda job: os._exit(3) if job == ["tp=8"] else None), JOBS)
     assert [c["job"] for c in configs] == [j[0] for j in JOBS]
     assert {c["pid"] for c in configs} == {LAUNCHER}  # the copy's two earlier configs were never sent
     assert [job for pid, job in _log(log) if pid == LAUNCHER] == ["tp=1", "tp=4", "tp=16", "tp=2", "tp=8", "tp=32"]
@@ -75,15 +75,15 @@ def test_no_process_to_fork_composes_everything_here(tmp_path, two_cores, monkey
         raise BlockingIOError("Resource temporarily unavailable")
 
     monkeypatch.setattr(os, "fork", no_fork)
-    configs = sweep.compose_all(_recording(tmp_path / "log"), JOBS)
+    configs = harness_sweeper.compose_all(_recording(tmp_path / "log"), JOBS)
     assert [c["job"] for c in configs] == [j[0] for j in JOBS] and {c["pid"] for c in configs} == {LAUNCHER}
 
 
 def test_a_stuck_copy_is_ended_at_its_deadline(tmp_path, two_cores, monkeypatch):
-    monkeypatch.setattr(sweep, "COPY_GRACE_S", 1.0)
-    monkeypatch.setattr(sweep, "COPY_S_PER_JOB", 0.0)
+    monkeypatch.setattr(harness_sweeper, "COPY_GRACE_S", 1.0)
+    monkeypatch.setattr(harness_sweeper, "COPY_S_PER_JOB", 0.0)
     log = tmp_path / "log"
     start = time.monotonic()
-    configs = sweep.compose_all(_recording(log, in_copy=lambda job: time.sleep(3600)), JOBS)
+    configs = harness_sweeper.compose_all(_recording(log, in_copy=lambda job: time.sleep(3600)), JOBS)
     assert time.monotonic() - start < 30
     assert [c["job"] for c in configs] == [j[0] for j in JOBS] and {c["pid"] for c in configs} == {LAUNCHER}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from launcher.report.sweep import collect_rows, job_entry, mark_started, start_record
+from launcher.report.sweep_summary import collect_rows, job_entry, mark_started, start_record
 
 
 def test_a_started_job_without_result_is_an_interrupted_error(tmp_path):

@@ -9,7 +9,7 @@ import base64
 import re
 from pathlib import Path
 
-from launcher.report import console, sweep
+from launcher.report import console, sweep_summary
 from launcher.report.result import exit_code, verdict, write_result
 from launcher.report.run_page import render as render_page
 from launcher.report.run_page import write_result_and_page
@@ -39,7 +39,7 @@ def _check(tensor: str, name: str, passed: bool) -> dict:
 
 
 def _result(verdicts: list[dict], checks: list[dict] | None, tolerance: dict | None = None, passed=None) -> dict:
-    """A run's result as `launcher.report.result.build_result` leaves it; checks None: integrity=false."""
+    """A run's result as `launcher.run.run_result.RunResult.launched` leaves it; checks None: integrity=false."""
     integrity = ({"enabled": False, "passed": None, "checks": []} if checks is None
                  else {"enabled": True, "passed": all(c["passed"] for c in checks), "checks": checks})
     reference_passed = not any(not v["passed"] and not v["diagnostic"] for v in verdicts)
@@ -141,16 +141,16 @@ def test_a_loosened_tolerance_is_in_the_verdict_line_the_page_and_junit(tmp_path
     written = write_result(str(tmp_path / "0"), result, {"num": 0, "overrides": ["tolerance.x_out.diff_thd=1e6"],
                                                          "sweep_id": None})
     assert written["decision"]["loosened"] == ["x_out diff_thd=1e+06 (default 0.003)"]
-    row = sweep.job_row(0, ["tolerance.x_out.diff_thd=1e6"], str(tmp_path / "0"), written)
+    row = sweep_summary.job_row(0, ["tolerance.x_out.diff_thd=1e6"], str(tmp_path / "0"), written)
     assert row["loosened"] == ["x_out diff_thd=1e+06 (default 0.003)"]
     assert row["message"] == "loosened: x_out diff_thd=1e+06 (default 0.003)"
-    testcase = sweep.junit_tree([row]).getroot().find("testsuite/testcase")
+    testcase = sweep_summary.junit_tree([row]).getroot().find("testsuite/testcase")
     props = {p.get("name"): p.get("value") for p in testcase.iter("property") if p.get("name") != "loosened"}
     assert props["verdict"] == expected
     assert [p.get("value") for p in testcase.iter("property") if p.get("name") == "loosened"] == [
         "x_out diff_thd=1e+06 (default 0.003)"]
     # The sweep's table lists a loosened PASS under its rows, as it lists a FAIL.
-    assert f"job 0 PASS: {row['message']}  ({tmp_path / '0'})" in sweep.table([row])
+    assert f"job 0 PASS: {row['message']}  ({tmp_path / '0'})" in sweep_summary.table([row])
 
 
 def test_a_tightened_tolerance_is_not_loosened():
@@ -182,23 +182,23 @@ def test_every_check_off_is_unchecked_never_pass(tmp_path):
     page = render_page(result)
     assert _h1(page) == "UNCHECKED" and _summary(page).startswith("UNCHECKED: no check counts")
     written = write_result(str(tmp_path / "0"), result, {"num": 0, "overrides": [], "sweep_id": None})
-    row = sweep.job_row(0, [], str(tmp_path / "0"), written)
+    row = sweep_summary.job_row(0, [], str(tmp_path / "0"), written)
     assert row["verdict"] == "UNCHECKED" and row["exit_code"] == 0 and row["message"].startswith("no check counts (")
-    suite = sweep.junit_tree([row]).getroot().find("testsuite")
+    suite = sweep_summary.junit_tree([row]).getroot().find("testsuite")
     assert suite.get("skipped") == "1" and suite.get("failures") == "0"
     skipped = suite.find("testcase/skipped")
     assert skipped is not None and skipped.get("message").startswith("UNCHECKED: no check counts (")
 
 
 def test_an_unchecked_job_does_not_stop_a_fail_fast_sweep(tmp_path):
-    sweep.start_record(str(tmp_path), [[], []])
-    record = sweep.read_record(str(tmp_path))
-    # As build_result leaves it: a run no check could fail is not `passed`.
+    sweep_summary.start_record(str(tmp_path), [[], []])
+    record = sweep_summary.read_record(str(tmp_path))
+    # As RunResult.launched leaves it: a run no check could fail is not `passed`.
     result = _result([_verdict("x_out", True, 0.0, diagnostic=True)], None, {"diagnostic": ["x_out"]}, passed=False)
     write_result(str(tmp_path / "0"), result, {"num": 0, "overrides": [], "sweep_id": record["id"]})
-    assert not sweep.earlier_job_failed(str(tmp_path), 1)
+    assert not sweep_summary.earlier_job_failed(str(tmp_path), 1)
     write_result(str(tmp_path / "0"), huge_value_in_cache(), {"num": 0, "overrides": [], "sweep_id": record["id"]})
-    assert sweep.earlier_job_failed(str(tmp_path), 1)
+    assert sweep_summary.earlier_job_failed(str(tmp_path), 1)
 
 
 def test_diagnostic_checks_beside_integrity_checks_still_count():
@@ -213,11 +213,11 @@ def test_diagnostic_checks_beside_integrity_checks_still_count():
 
 def _sweep(tmp_path: Path, results: list[dict], overrides: list[list[str]]) -> dict:
     sweep_dir = tmp_path / "sweep"
-    sweep.start_record(str(sweep_dir), overrides)
-    sweep_id = sweep.read_record(str(sweep_dir))["id"]
+    sweep_summary.start_record(str(sweep_dir), overrides)
+    sweep_id = sweep_summary.read_record(str(sweep_dir))["id"]
     for num, (result, given) in enumerate(zip(results, overrides)):
         write_result_and_page(str(sweep_dir / str(num)), result, {"num": num, "overrides": given, "sweep_id": sweep_id})
-    rows = sweep.collect_rows(str(sweep_dir))
+    rows = sweep_summary.collect_rows(str(sweep_dir))
     return {"sweep_dir": str(sweep_dir), "n_jobs": len(rows), "passed": 0, "failed": 0, "errors": 0, "skipped": 0,
             "interrupted": False, "jobs": rows}
 
@@ -227,14 +227,14 @@ def test_jobs_that_differ_in_impl_alone_are_told_apart(tmp_path, capsys):
     results = [{**_result([_verdict("x_out", True, 0.0)], [_check("x_out", "cap", True)]), "case": {**CASE, "impl": i}}
                for i in impls]
     summary = _sweep(tmp_path, results, [["layer=swa", f"impl={i}"] for i in impls])
-    lines = sweep.table(summary["jobs"])
+    lines = sweep_summary.table(summary["jobs"])
     assert "impl" in lines[0].split()
     assert [ln.split()[-1] for ln in lines[1:3]] != [] and all(i in ln for i, ln in zip(impls, lines[1:3]))
     assert console.varying_keys(summary["jobs"]) == ["impl"]
     page = Path(write_sweep_page(summary["sweep_dir"], summary)).read_text()
     assert '<code id="varies">impl</code>' in page and "<th>impl</th>" in page
     assert "impl=tests.defects.HugeValueInCache" in page[page.index('id="map"'):]
-    sweep.write_summary(summary["sweep_dir"])
+    sweep_summary.write_summary(summary["sweep_dir"])
     assert "sweep varies: impl" in capsys.readouterr().out
 
 
@@ -242,7 +242,7 @@ def test_one_impl_needs_no_impl_column(tmp_path):
     results = [{**_result([_verdict("x_out", True, 0.0)], [_check("x_out", "cap", True)]), "case": {**CASE, "tp": t}}
                for t in (1, 2)]
     summary = _sweep(tmp_path, results, [["layer=swa", f"tp={t}"] for t in (1, 2)])
-    assert "impl" not in sweep.table(summary["jobs"])[0].split()
+    assert "impl" not in sweep_summary.table(summary["jobs"])[0].split()
     assert console.varying_keys(summary["jobs"]) == ["tp"]
 
 

@@ -1,7 +1,7 @@
 """Which faults a config may ask for: `fault.kind=K fault.rank=R fault.stage=S` (`Fault`).
 
 A fault that could never fire is refused before any rank starts: a smoke test expecting it must
-not pass silently. Firing it is the ranks' business (`launcher.run.faults`).
+not pass silently. Firing it is the ranks' business (`launcher.run.fault_injection`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from layers.contract.config import ConfigError
 
-from launcher.config.rank_stages import FAULT_STAGES
+from launcher.config.rank_phases import FAULT_PHASES
 
 KINDS = ("raise", "exit", "hang", "nan", "corrupt")
 OUTPUT_KINDS = ("nan", "corrupt")  # faults in the implementation's outputs, not in the process
@@ -28,8 +28,8 @@ class Fault:
         `absent`: the stages this run does not have, each with the key that would add it."""
         if self.kind not in KINDS:
             raise ConfigError(f"fault.kind={self.kind!r} must be one of {', '.join(KINDS)}")
-        if self.stage not in FAULT_STAGES:
-            raise ConfigError(f"fault.stage={self.stage!r} must be one of {', '.join(FAULT_STAGES)}")
+        if self.stage not in FAULT_PHASES:
+            raise ConfigError(f"fault.stage={self.stage!r} must be one of {', '.join(FAULT_PHASES)}")
         if not 0 <= self.rank < tp:
             raise ConfigError(f"fault.rank={self.rank} must be in [0, {tp}) for tp={tp}")
         if self.kind in OUTPUT_KINDS and self.stage != "layer":
@@ -41,7 +41,7 @@ class Fault:
 def check_unset(rank: int, stage: str, tp: int) -> None:
     """Without fault.kind nothing fires, but the rank and stage must still exist: a sweep over
     `fault.kind=null,hang fault.rank=1` runs both, and a typo must not pass silently."""
-    if stage not in FAULT_STAGES:
-        raise ConfigError(f"fault.stage={stage!r} must be one of {', '.join(FAULT_STAGES)}")
+    if stage not in FAULT_PHASES:
+        raise ConfigError(f"fault.stage={stage!r} must be one of {', '.join(FAULT_PHASES)}")
     if not 0 <= rank < tp:
         raise ConfigError(f"fault.rank={rank} must be in [0, {tp}) for tp={tp}")

@@ -1,11 +1,11 @@
 """Fault injection, shipped as config: `fault.kind=K fault.rank=R fault.stage=S` (the config's
-side, which faults are accepted, is `launcher.config.faults`; this module fires them).
+side, which faults are accepted, is `launcher.config.fault_config`; this module fires them).
 
 Useful to smoke-test a cluster and the orchestrator itself: each kind must end the run within
 the configured timeout, leave no process behind, exit non-zero, and be reported with the rank
 and stage (and the traceback or NaN counts).
 
-Stages (`launcher.config.rank_stages`): fixture, golden, save (with save_data only), layer,
+Stages (`launcher.config.rank_phases`): fixture, golden, save (with save_data only), layer,
 gather, compare (rank 0 only).
 
 | kind      | what rank R does at the start of stage S                                   |
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from launcher.config.faults import OUTPUT_KINDS, Fault
+from launcher.config.fault_config import OUTPUT_KINDS, Fault
 
 EXIT_STATUS = 3
 

@@ -1,7 +1,7 @@
 """Regression tracking: two runs or sweeps, job by job (`python -m launcher.compare`).
 
 A folder is a run folder (its `result.json`) or a sweep folder (its jobs' `result.json` files,
-found as the sweep's summary finds them, `launcher.report.sweep.collect_rows`, so a moved or
+found as the sweep's summary finds them, `launcher.report.sweep_summary.collect_rows`, so a moved or
 downloaded folder still reads; a job that left no result is an ERROR job without a case).
 Jobs are matched by case (layer, scope, model, tp or ep and the MoE keys, dp, local_t, start
 positions, seed), never by implementation or job number: comparing two implementations of
@@ -34,7 +34,7 @@ from typing import Any
 
 from launcher.report.console import fmt, seed_text, table_lines
 from launcher.report.result import SCHEMA_VERSION, verdict
-from launcher.report.sweep import collect_rows, job_row
+from launcher.report.sweep_summary import collect_rows, job_row
 
 # The keys that define a case; `impl`, `backend` and the job number do not.
 CASE_KEYS = ("layer", "scope", "model", "tp", "ep", "layer_id", "num_tokens", "balanced_routing", "dp", "local_t",

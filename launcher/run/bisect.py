@@ -21,7 +21,8 @@ intermediates in dependency order and blame the first stage whose error blows up
    implementation returned are bitwise the ones its last stages computed.
 
 `bisect_rank` returns one rank's table (JSON-ready); `gather_bisect` merges them on rank 0 into
-{diverged, stage, rank, ranks, tensor, mode, label, figures, detail, stages}; `render` prints it.
+{diverged, stage, rank, ranks, tensor, mode, label, figures, detail, stages}
+(`launcher.report.bisect_lines` prints it).
 """
 
 from __future__ import annotations
@@ -222,40 +223,4 @@ def gather_bisect(ctx: RankContext, result: dict[str, Any]) -> dict[str, Any] | 
     return merge(gathered) if ctx.rank == 0 else None
 
 
-_MODE_TEXT = {
-    "isolated": "the stage re-run by the golden on the implementation's own inputs",
-    "chain": "against the golden chain (the implementation did not expose this stage's inputs)",
-}
-
-
-def render(report: dict[str, Any]) -> str:
-    """The report's text: the verdict, the failing check's detail, one line per stage."""
-    if report["diverged"]:
-        ranks = ", ".join(str(r) for r in report["ranks"])
-        lines = [
-            f"bisect: first divergence at stage '{report['stage']}' on rank {report['rank']} (ranks {ranks}), "
-            f"tensor {report['tensor']}: {report['label']}, {_MODE_TEXT[report['mode']]}",
-            *([report["detail"]] if report["detail"] else []),
-        ]
-    else:
-        lines = ["bisect: no stage diverges in the staged re-run (the failure did not reproduce: a fault the "
-                 "worker injected, a nondeterministic implementation, or inputs that differ from the fixture)"]
-    lines.append(f"  {'stage':<18} {'result':<8} {'modes':<22} max |diff| to the golden chain, by rank")
-    for row in report["stages"]:
-        result = {True: "pass", False: "FAIL", None: "-"}[row["passed"]]
-        modes = ",".join(sorted(set(row["modes"])))
-        dists = []
-        for cell in row["per_rank"]:
-            chains = [t["chain"] for t in cell["tensors"] if t.get("chain")]
-            if not chains:
-                dists.append("-")
-            elif all(c.get("bitwise") for c in chains):
-                dists.append("0")
-            else:
-                dists.append(f"{max(c.get('max_abs_diff', float('nan')) for c in chains):.3g}")
-        fails = f"  failing ranks {row['failed_ranks']}" if row["failed_ranks"] else ""
-        lines.append(f"  {row['stage']:<18} {result:<8} {modes:<22} {' '.join(dists)}{fails}")
-    return "\n".join(lines)
-
-
-__all__ = ["OUTPUTS_STAGE", "golden_chain", "bisect_rank", "gather_bisect", "merge", "render"]
+__all__ = ["OUTPUTS_STAGE", "golden_chain", "bisect_rank", "gather_bisect", "merge"]

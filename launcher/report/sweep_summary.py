@@ -17,7 +17,7 @@ each job starts and ends, and at the end of the multirun writes, into the sweep 
 and prints the same rows as a table on stdout. Every row comes from the job's result.json
 (`launcher.job.execute` writes one for every outcome), so a crashed job has its row too.
 Jobs run one after another in this process (the harness's launcher,
-`hydra_plugins.dsv4_tp_harness.sweep`): each on new rank processes or on the warm ones of an
+`hydra_plugins.dsv4_tp_harness.harness_sweeper`): each on new rank processes or on the warm ones of an
 earlier job (`launcher.run.rank_group`).
 """
 
@@ -391,7 +391,7 @@ def _write_json(path: str, data) -> None:
 class SweepSummary(Callback):
     """Progress lines per job and, at the end of a multirun, summary.json, junit.xml and a table,
     all built from the files the jobs wrote. For `launcher.job.finish`: `exit_status`, the
-    outcome of the last run or multirun of this process, and `unfinished_sweep`, the folder
+    outcome of the last multirun of this process, and `unfinished_sweep`, the folder
     of a multirun that started but never reached its end (interrupted, or its Hydra launcher
     failed), whose summary main still writes."""
 
@@ -400,15 +400,6 @@ class SweepSummary(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         progress.composition_done()
-
-    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        path = os.path.join(node_output_dir(str(config.hydra.runtime.output_dir), os.environ), "result.json")
-        try:
-            with open(path) as f:
-                result = json.load(f)
-        except (OSError, ValueError):
-            result = None
-        SweepSummary.exit_status = exit_status([job_row(0, [], "", result)])
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         progress.composition_done()

@@ -5,8 +5,8 @@ Hydra's basic sweeper composes each job's config before any job runs (a sweep wi
 that cannot be composed is refused whole), and its basic launcher composes each again to run
 it. A composition takes 0.1 to 0.2 s, more than a tiny job's own overhead: here the sweeper
 composes a batch on every core (`compose_all`: forked copies of this process, which already
-holds Hydra's state) and hands the configs to the launcher (`_COMPOSED`, by the job's
-overrides), which composes only a job it was not given (one planned by another sweeper).
+holds Hydra's state) and hands the configs to the launcher it instantiated (`HarnessLauncher.composed`,
+by the job's overrides), which composes only a job it was not given (one planned by another sweeper).
 Everything else is the basic pair's: the same jobs in the same order (`expand_jobs`),
 `params`, `max_batch_size`, the sweep's `multirun.yaml`, jobs one after another in this
 process through Hydra's own job runner (`hydra.core.utils.run_job`: each job's folder,
@@ -14,12 +14,12 @@ process through Hydra's own job runner (`hydra.core.utils.run_job`: each job's f
 A parallel launcher (`hydra/launcher=joblib`, `=slurm`) works with this sweeper as with the
 basic one and composes its jobs itself.
 
-Imported by every Hydra application's plugin scan: Hydra and OmegaConf only, nothing heavy;
+Imported by every Hydra application's plugin scan: Hydra, OmegaConf and the launcher's torch-free
+job expansion (`launcher.config.sweep_jobs`), nothing heavy;
 and no `from __future__ import annotations`: the scan runs the module without registering it
 in sys.modules, where dataclasses look string annotations up.
 """
 
-import itertools
 import logging
 import os
 import pickle
@@ -41,31 +41,9 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from launcher.config.sweep_jobs import expand_jobs
+
 log = logging.getLogger(__name__)
-
-# Job overrides -> the config the sweeper composed for that job, until the launcher takes it.
-_COMPOSED: dict[tuple[str, ...], DictConfig] = {}
-
-
-def expand_jobs(params: Mapping[str, Any], arguments: Sequence[str],
-                parser: OverridesParser | None = None) -> list[list[str]]:
-    """Each job's overrides, in job order, as Hydra's basic sweeper expands them: `params`
-    (a sweep file's `hydra.sweeper.params`) first, then `arguments` (the command line); a key
-    given twice keeps its first place and its last value; the cartesian product of the swept
-    values. `parser`: one made with Hydra's config loader, which a sweep over a group's options
-    (`layer=glob(*)`) needs to list them."""
-    parser = parser or OverridesParser.create()
-    choices: dict[str, list[str]] = {}
-    for override in parser.parse_overrides([*(f"{k}={v}" for k, v in params.items()), *arguments]):
-        key = override.get_key_element()
-        if not override.is_sweep_override():
-            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
-        elif override.is_discrete_sweep():
-            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
-        else:
-            raise HydraException(f"{HarnessSweeper.__name__} does not support sweep type : "
-                                 f"{override.value_type.name if override.value_type else override}")
-    return [list(job) for job in itertools.product(*choices.values())]
 
 
 # A forked copy of this process costs a few milliseconds and each config comes back pickled
@@ -156,14 +134,14 @@ def _receive(read_end: int, deadline: float) -> bytes:
 
 @dataclass
 class HarnessSweeperConf:
-    _target_: str = "hydra_plugins.dsv4_tp_harness.sweep.HarnessSweeper"
+    _target_: str = "hydra_plugins.dsv4_tp_harness.harness_sweeper.HarnessSweeper"
     max_batch_size: Optional[int] = None  # jobs composed and launched at a time; null = all
     params: Optional[dict[str, str]] = field(default=None)  # swept keys: `layer: swa,csa`
 
 
 @dataclass
 class HarnessLauncherConf:
-    _target_: str = "hydra_plugins.dsv4_tp_harness.sweep.HarnessLauncher"
+    _target_: str = "hydra_plugins.dsv4_tp_harness.harness_sweeper.HarnessLauncher"
 
 
 class HarnessSweeper(Sweeper):
@@ -197,36 +175,36 @@ class HarnessSweeper(Sweeper):
         returns = []
         for start in range(0, len(jobs), size):
             batch = jobs[start:start + size]
+            composed = self._compose_batch(batch)
+            self._check_own_folders(batch, composed, start)
+            if isinstance(self.launcher, HarnessLauncher):
+                self.launcher.composed = composed
             try:
-                self.validate_batch_is_legal(batch)
-                self._check_own_folders(batch, start)
                 results = self.launcher.launch(batch, initial_job_idx=start)
             finally:
-                _COMPOSED.clear()  # a launcher that composes its own jobs leaves them here
+                if isinstance(self.launcher, HarnessLauncher):
+                    self.launcher.composed = {}
             for r in results:
                 _ = r.return_value  # a job that raised raises here, as with the basic sweeper
             returns.append(results)
         return returns
 
-    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
-        """Compose every job of the batch (a bad one refuses the sweep before any job runs)
-        and keep each config for the launcher."""
+    def _compose_batch(self, batch: Sequence[Sequence[str]]) -> dict[tuple[str, ...], DictConfig]:
+        """Compose every job of the batch (a bad one refuses the sweep before any job runs):
+        each config by its job's overrides, for the launcher."""
         assert self.hydra_context is not None and self.config is not None
         loader, master = self.hydra_context.config_loader, self.config
         configs = compose_all(lambda job: loader.load_sweep_config(master_config=master, sweep_overrides=job), batch)
-        for overrides, config in zip(batch, configs):
-            _COMPOSED[tuple(overrides)] = config
+        return {tuple(overrides): config for overrides, config in zip(batch, configs)}
 
-
-    def _check_own_folders(self, batch: Sequence[Sequence[str]], start: int) -> None:
+    def _check_own_folders(self, batch: Sequence[Sequence[str]], composed: Mapping[tuple[str, ...], DictConfig],
+                           start: int) -> None:
         """Refuse a sweep two of whose jobs would write into one folder (`hydra.sweep.subdir`
         fixed, or naming nothing the jobs vary): each job's result.json would replace the
         other's, and a job would be reported as having written none."""
         assert self.config is not None
         for idx, overrides in enumerate(batch, start=start):
-            config = _COMPOSED.get(tuple(overrides))
-            if config is None:
-                continue
+            config = composed[tuple(overrides)]
             with open_dict(config):
                 config.hydra.job.id = config.hydra.job.num = idx  # as the launcher sets them
             try:
@@ -251,6 +229,8 @@ class HarnessLauncher(Launcher):
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
+        # Job overrides -> the config the sweeper composed for that job, for the batch it launches.
+        self.composed: dict[tuple[str, ...], DictConfig] = {}
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
@@ -266,7 +246,7 @@ class HarnessLauncher(Launcher):
         runs = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
-            sweep_config = _COMPOSED.pop(tuple(overrides), None)
+            sweep_config = self.composed.pop(tuple(overrides), None)
             if sweep_config is None:
                 sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             with open_dict(sweep_config):
