@@ -1,5 +1,5 @@
-"""The fast subset: `pytest -m "not slow"` leaves out every test of the folders that launch
-processes, and keeps the rest."""
+"""The suite's structure: `pytest -m "not slow"` leaves out every test of the folders that
+launch processes and keeps the rest; no two test modules share a file name."""
 
 from __future__ import annotations
 
@@ -28,3 +28,12 @@ def test_tests_that_launch_processes_are_slow_and_the_rest_is_not():
 
 def test_the_slow_marker_is_registered(pytestconfig):
     assert any(line.startswith("slow:") for line in pytestconfig.getini("markers"))
+
+
+def test_no_two_test_modules_share_a_file_name():
+    """A file name says which module a report or `-k` means, whichever folder holds it."""
+    tests = Path(conftest.__file__).parent
+    folders: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        folders.setdefault(path.name, []).append(str(path.parent.relative_to(tests)))
+    assert {name: where for name, where in folders.items() if len(where) > 1} == {}
