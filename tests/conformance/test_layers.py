@@ -67,10 +67,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def golden(layer, ctx: RankContext, tensors):
-    """The layer's golden on one rank's tensors (a group golden, as MoE's, on a group of one)."""
-    if layer.golden_per_rank:
-        return layer.golden(ctx.case, tensors)
-    return layer.golden_of_group(ctx, tensors)
+    """The layer's golden of one rank's tensors, as a launch computes it on that rank."""
+    return layer.rank_golden(ctx, tensors)
 
 
 def stacked_fixture(layer):

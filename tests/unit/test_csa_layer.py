@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layers import csa
+from layers.csa import layer as csa
 from layers.components import hc, qkv
 from layers.components.numerics import bf16
 from layers.contract.case import Case
 from layers.contract.checks import PoolCheck, RelDiffCheck
 from layers.contract.config import FLASH, SMALL, TINY, ConfigError
 from layers.contract.tensors import Kind
-from layers.fixtures import csa as csa_fixture
+from layers.csa import fixture as csa_fixture
 from layers.registry import validated
 
 from ..conftest import peer_snapshot

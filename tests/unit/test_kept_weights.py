@@ -10,7 +10,9 @@ import pytest
 from layers.contract.case import Case
 from layers.contract.config import TINY
 from layers.contract.tensors import tensor_sha256
-from layers.fixtures import csa, hca, swa
+from layers.csa import fixture as csa
+from layers.hca import fixture as hca
+from layers.swa import fixture as swa
 from layers.fixtures.kept import forget_kept_weights
 
 WEIGHTS = {"swa": swa.replicated_weights, "csa": csa.replicated_weights, "hca": hca._replicated_weights}
