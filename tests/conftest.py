@@ -33,8 +33,9 @@ if not any(ep.value == "launcher.pytest_plugin" for ep in importlib.metadata.ent
     pytest_plugins = ["launcher.pytest_plugin"]
 
 
-# Every test of these folders launches processes (the CLI, gloo ranks): the fast subset,
-# `pytest -m "not slow"`, leaves them out; a unit test that does carries the mark itself.
+# The tests of these folders launch processes (the CLI, gloo ranks): the fast subset,
+# `pytest -m "not slow"`, leaves them out, but for a test marked `one_process` (a comparator,
+# fixture or stage test beside the launches); a unit test that launches carries `slow` itself.
 _SLOW_FOLDERS = ("e2e", "distributed")
 
 
@@ -42,7 +43,7 @@ def pytest_collection_modifyitems(items):
     tests = Path(__file__).parent
     for item in items:
         parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
-        if parts and parts[0] in _SLOW_FOLDERS:
+        if parts and parts[0] in _SLOW_FOLDERS and item.get_closest_marker("one_process") is None:
             item.add_marker(pytest.mark.slow)
 
 

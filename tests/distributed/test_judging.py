@@ -58,6 +58,7 @@ def _spec(numel: int) -> TensorSpec:
     return TensorSpec((numel,), torch.float32, Kind.INOUT)
 
 
+@pytest.mark.one_process
 def test_the_plan_deals_the_largest_checks_first_to_the_least_loaded_rank():
     specs = {"a": _spec(10), "b": _spec(40), "c": _spec(30), "d": _spec(5), "map": TensorSpec((8,), torch.int64, Kind.INPUT)}
     checks = [RelDiffCheck("a", 1e-3, 1e-3, 1.0), PoolCheck("b", "map", 1, 1e-4, 1e-2),
@@ -70,6 +71,7 @@ def test_the_plan_deals_the_largest_checks_first_to_the_least_loaded_rank():
     assert {a.judge for a in judging.plan(checks, context, specs, references=2, world=1)} == {0}
 
 
+@pytest.mark.one_process
 def test_collect_puts_every_verdict_back_in_check_order():
     judged = {0: [], 1: [], 2: []}
     for g in range(2):

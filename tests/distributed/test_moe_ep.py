@@ -161,6 +161,7 @@ def test_tokens_past_num_tokens_fail_on_their_rank():
     assert worst[0] == 1 and worst[1] >= 64  # rank 1, an inactive token
 
 
+@pytest.mark.one_process
 def test_ep_sizes_without_a_group_are_refused():
     case = MoECase(TINY, 2, SEED)
     ctx = RankContext(case, 0, torch.device("cpu"), None)
@@ -178,6 +179,7 @@ def _moe_comparator(p=2):
     return build_comparator(moe.checks(MoECase(TINY, p, 0))[0], mapping_shape=(), leading_rank_axis=True)
 
 
+@pytest.mark.one_process
 def test_comparator_budget_is_pooled_over_ranks_and_counts_inactive_tokens():
     a, e = _x_next_pair()
     numel = e.numel()
@@ -192,6 +194,7 @@ def test_comparator_budget_is_pooled_over_ranks_and_counts_inactive_tokens():
     assert "rank 1: bad=13108/131072" in v.detail
 
 
+@pytest.mark.one_process
 def test_comparator_rule_is_floored_relative_with_no_single_point_cap():
     a, e = _x_next_pair()
     e[0, 0, 0, :3] = torch.tensor([0.0, 2.0, 1.0])

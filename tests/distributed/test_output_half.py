@@ -75,6 +75,7 @@ def _shard(wo_a, wo_b, p, r):
 
 
 # -- projection -------------------------------------------------------------------------------
+@pytest.mark.one_process
 def test_grouped_o_proj_matches_reference_golden_bitwise():
     a, wo_a, wo_b, wo_b_scale = _random_projection()
     got = output_half.grouped_o_proj(a, wo_a, wo_b, wo_b_scale)
@@ -82,6 +83,7 @@ def test_grouped_o_proj_matches_reference_golden_bitwise():
     assert torch.equal(got, golden_o_proj_tp1(a, wo_a, wo_b, wo_b_scale))
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("p", [2, 4])
 def test_sharded_partials_sum_to_the_grouped_projection(p):
     a, wo_a, wo_b, wo_b_scale = _random_projection(seed=p)
@@ -103,6 +105,7 @@ def test_sharded_partials_sum_to_the_grouped_projection(p):
     assert ((bf16(acc).float() - grouped.float()).abs() <= ulp + 1e-30).all()
 
 
+@pytest.mark.one_process
 def test_sharded_o_proj_closed_form():
     # Integer data with amax = 127 per (group, token) row: sq = sdq = 1, Q = Y, every sum exact.
     t = 5
@@ -130,6 +133,7 @@ def _integer_design_partial(a, wo_b, wo_b_scale):
     return out * wo_b_scale.double()
 
 
+@pytest.mark.one_process
 def test_window_attention_and_projection_closed_form():
     """swa.md §9.4 on one rank: equal keys, NaN elsewhere, large sinks, cos = 1 / sin = 0."""
     m = TINY
@@ -265,6 +269,7 @@ def test_misrouted_collectives_fail_the_check():
         assert not torch.equal(res["rs"], want_rs[r])
 
 
+@pytest.mark.one_process
 def test_tp1_collectives_are_identities_without_a_group():
     a, wo_a, wo_b, wo_b_scale = _random_projection(t=8, seed=7)
     ctx = RankContext(Case("swa", TINY, 1, 8, 0), 0, torch.device("cpu"))

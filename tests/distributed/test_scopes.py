@@ -119,6 +119,7 @@ def _naive_collectives_golden(case: Case, stacked: dict[str, torch.Tensor]) -> l
     return out
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_collectives_fixture_and_golden_follow_the_spec(tp_size):
     case = _below_capacity(tp_size)
@@ -137,6 +138,7 @@ def test_collectives_fixture_and_golden_follow_the_spec(tp_size):
             assert torch.equal(got[name], expected), (r, name)
 
 
+@pytest.mark.one_process
 def test_collectives_golden_refuses_foreign_inputs():
     case = _below_capacity(2)
     layer = get_scope("swa", "collectives")
@@ -161,6 +163,7 @@ def _naive_o_proj(x, wo_a, wo_b, wo_b_scale):
     return out * wo_b_scale[None, :]
 
 
+@pytest.mark.one_process
 def test_output_fixture_poison_and_projection_golden():
     case = _below_capacity(2)
     m, t = case.model, case.local_t
@@ -189,6 +192,7 @@ def test_output_fixture_poison_and_projection_golden():
     assert (got["o_partial"][group_t:] == 0).all()
 
 
+@pytest.mark.one_process
 def test_output_golden_closed_form():
     """swa.md §9.4: all WIN keys equal, so head h's dim 0 is WIN·0.25 / (WIN + exp(sink − q0·0.25·scale))."""
     case = _below_capacity(2)
@@ -322,6 +326,7 @@ def test_capacity_minus_one_passes_and_catches_a_defect(scope, defect, tensor):
     assert not failing["passed"] and failing["kind"] in ("tail", "mismatch"), failing
 
 
+@pytest.mark.one_process
 @pytest.mark.parametrize("scope", ["output", "collectives"])
 def test_buffer_row_scopes_take_any_local_t_and_default_to_capacity_minus_one(scope):
     cap = TINY.decode_tokens // 2
@@ -338,6 +343,7 @@ def test_buffer_row_scopes_take_any_local_t_and_default_to_capacity_minus_one(sc
 
 
 # -- snapshots of every scope -----------------------------------------------------------------
+@pytest.mark.one_process
 @pytest.mark.parametrize("scope", SCOPES)
 def test_snapshot_roundtrip_replays_the_golden(scope, tmp_path):
     case = _below_capacity(2)
@@ -367,6 +373,7 @@ def test_snapshot_roundtrip_replays_the_golden(scope, tmp_path):
 
 
 # -- registry and validation ------------------------------------------------------------------
+@pytest.mark.one_process
 def test_get_scope():
     assert get_scope("swa") is get_layer("swa") and get_scope("swa", "full") is get_layer("swa")
     assert get_scope("swa", "output") is get_scope("swa", "output")
@@ -377,6 +384,7 @@ def test_get_scope():
         get_scope("mla", "output")
 
 
+@pytest.mark.one_process
 def test_scope_validation_names_the_rule():
     layer = get_scope("swa", "output")
     with pytest.raises(ConfigError, match="o_lora_rank=1 must be >= heads_per_group=2"):
@@ -387,6 +395,7 @@ def test_scope_validation_names_the_rule():
         get_scope("swa", "collectives").full_o_weights(_below_capacity(2))
 
 
+@pytest.mark.one_process
 def test_tp1_specs_hold_the_full_o_weights():
     case = _below_capacity(4)
     specs = get_scope("swa", "tp1").tensor_specs(case)
@@ -399,6 +408,7 @@ def test_tp1_specs_hold_the_full_o_weights():
 
 
 # -- the stage-level comparators --------------------------------------------------------------
+@pytest.mark.one_process
 def test_sentinel_exact_counts_touched_rows_and_poison_per_rank():
     expected = torch.full((2, 4, 3), -7.0)
     expected[:, :2] = 1.0
@@ -416,6 +426,7 @@ def test_sentinel_exact_counts_touched_rows_and_poison_per_rank():
     assert cmp.evaluate(expected.clone(), expected).passed
 
 
+@pytest.mark.one_process
 def test_prefix_and_tail():
     expected = torch.full((2, 6, 4), -7.0)
     expected[:, :4] = 1.0
@@ -436,6 +447,7 @@ def test_prefix_and_tail():
     assert not strict.evaluate(prefix, expected).passed
 
 
+@pytest.mark.one_process
 def test_allclose_check_shifts_the_valid_axis_past_the_rank_axis():
     cmp = build_comparator(AllcloseCheck("o_partial", 1e-4, 1 / 128, 0.0, valid_rows=3, zero_tail=True),
                            mapping_shape=(), leading_rank_axis=True)

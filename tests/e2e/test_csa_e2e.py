@@ -7,7 +7,9 @@ import pytest
 POOLS = ("compress_state", "inner_compress_state", "kv_cache", "cmp_kv", "idx_kv_cache", "idx_kv_scale")
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+# tp=1: the one-rank forward is bitwise the golden in tests/conformance, and the launcher's
+# one-rank path is test_e2e_swa's.
+@pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tiny_passes_at_every_tp(tp_run, tp):
     run = tp_run(layer="csa", tp=tp, model="tiny")
     assert run.passed, run

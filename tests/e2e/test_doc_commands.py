@@ -33,7 +33,7 @@ def test_every_command_of_the_doc_runs_or_composes(doc, tmp_path):
     for cmd in doc_commands(doc):
         where = f"{cmd.source}: {cmd.text}"
         if cmd.kind in ("install", "system"):
-            continue  # checked against pyproject and CI in tests/unit/test_doc_commands.py
+            continue  # checked against pyproject and CI in tests/unit/test_doc_commands_compose.py
         if cmd.kind == "pytest":
             # Collected in the checkout (every marker and path it names must select tests), not run.
             p = subprocess.run([sys.executable, *cmd.argv[1:], "--collect-only", "-p", "no:cacheprovider"],

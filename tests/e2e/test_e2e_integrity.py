@@ -58,7 +58,10 @@ def test_a_defect_inside_the_budget_fails_integrity_only(tp_run, model, impl, fa
     assert line.startswith("VERDICT: FAIL by integrity (") and f"kv_cache {failing}" in line, line
     assert "); reference PASS (" in line, line
 
-    off = tp_run(layer="swa", tp=2, model=model, impl=impl, overrides=["integrity=false"])
+
+def test_integrity_false_judges_by_the_reference_verdict_alone(tp_run):
+    """One run stands for every defect and dims above: integrity=false skips the same checks."""
+    off = tp_run(layer="swa", tp=2, model="tiny", impl=defects.HugeValueInCache, overrides=["integrity=false"])
     assert off.exit_code == 0, off
     assert off.result["integrity"] == {"enabled": False, "passed": None, "checks": []}
     assert "reference verdict: PASS, integrity: off" in off.report
@@ -73,9 +76,6 @@ def test_flash_dims_a_skipped_write_and_one_absurd_value_fail(tp_run):
     failed = _failed_checks(run)
     assert failed[("kv_cache", "written_rows")]["figures"]["per_rank"] == [0, 1]
     assert failed[("kv_cache", "cap")]["figures"]["examples"][0]["rank"] == 0
-    off = tp_run(layer="swa", tp=2, model="flash", local_t=128, impl=defects.SkipWriteAndHugeValue,
-                 overrides=["integrity=false"])
-    assert off.exit_code == 0, off
 
 
 def test_moe_one_absurd_x_next_value_fails_integrity(tp_run):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
+from launcher.pytest_plugin import run_layer
 from launcher.report.regressions import Thresholds, compare, match
 from launcher.report.regressions import load as compare_jobs
 from launcher.report.regressions import render as render_comparison
@@ -45,11 +46,21 @@ def _refused(*overrides: str) -> str:
     return str(e.value)
 
 
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    """A tiny tp=2 SWA snapshot written by one passing run for the whole module."""
+    folder = tmp_path_factory.mktemp("saved")
+    run = run_layer(str(folder / "run"), layer="swa", tp=2, model="tiny", save_data=str(folder / "snap"),
+                    golden_cache=None)
+    assert run.passed, run
+    return folder / "snap"
+
+
 @pytest.fixture
-def saved(tp_run, tmp_path):
-    """A tiny tp=2 SWA snapshot written by a passing run."""
+def saved(saved_once, tmp_path):
+    """This test's own copy of that snapshot, to damage or overwrite."""
     out = tmp_path / "snap"
-    assert tp_run(layer="swa", tp=2, model="tiny", save_data=str(out), golden_cache=None).passed
+    shutil.copytree(saved_once, out)
     return out
 
 

@@ -517,6 +517,7 @@ print(json.dumps(bad))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_chain_kv_bitwise_on_snapshots():
     """The kv rows each step wrote into the snapshots' caches equal hc_pre → rms_norm →
     qkv_proj_rope of the snapshot inputs, bit for bit (MKL's AVX2 strict GEMM path)."""

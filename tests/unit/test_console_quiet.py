@@ -12,7 +12,7 @@ from launcher.report import console
 from launcher.report.run_page import write_result_and_page
 from launcher.run import launch, tee
 
-from .test_verdict_story import huge_value_in_cache
+from .test_verdict_renderers import huge_value_in_cache
 
 
 class _Terminal(io.StringIO):
