@@ -1,0 +1,81 @@
+"""The reference's own CP-SWA snapshot (cp = 2, small dims): our tables are its tables, our
+independent golden and our CP stage list both reproduce its outputs, a perturbed copy fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from layers.contract.config import SMALL
+from layers.prefill import golden, layer, swa, tables
+from layers.prefill.case import PrefillCase
+from tests.prefill.group import run_group
+from tests.prefill.judge import failures
+
+SNAPSHOT = Path(__file__).resolve().parents[2] / "../shared/peer/prefill-swa-cp2-small"
+pytestmark = pytest.mark.skipif(not SNAPSHOT.is_dir(), reason="no ../shared/peer (reference snapshots) in this clone")
+CASE = PrefillCase("swa", SMALL, 2, None)
+
+
+@pytest.fixture(scope="module")
+def snapshot():
+    load = lambda d: {p.stem: torch.load(p, weights_only=True) for p in (SNAPSHOT / d).glob("*.pt")}  # noqa: E731
+    return load("in"), load("out")
+
+
+def test_tables_are_the_references(snapshot):
+    inp, _ = snapshot
+    positions, _ = tables.query_positions(CASE)
+    seg_src, row_src, slot = tables.final_window(CASE)
+    assert torch.equal(positions, inp["query_position_ids"])
+    assert torch.equal(tables.reverse_index(CASE), inp["reverse_index"])
+    assert torch.equal(tables.owner_rank_table(CASE), inp["owner_rank_table"])
+    assert torch.equal(seg_src, inp["final_win_seg_src"])
+    assert torch.equal(row_src, inp["final_win_row_src"])
+    assert torch.equal(slot, inp["final_slot_mapping"])
+    for r in range(CASE.cp):
+        mine = layer.from_reference(CASE, inp, r)
+        assert torch.equal(mine["predecessor_segments"], inp["predecessor_segments"][r])
+
+
+def _golden(inp):
+    prompt = golden.prompt_of(CASE, inp["x_hc"])
+    return [layer.golden(CASE, r, prompt, layer.from_reference(CASE, inp, r)) for r in range(CASE.cp)]
+
+
+def _reference_outputs(out):
+    return [{n: out[n][r] for n in layer.COMPARED} for r in range(CASE.cp)]
+
+
+def test_golden_and_cp_group_reproduce_the_reference(snapshot):
+    inp, out = snapshot
+    expected = _reference_outputs(out)
+    assert failures(swa.reference_checks(), _golden(inp), expected) == []
+    assert failures(swa.default_checks(), _golden(inp), expected) == []
+    group = run_group(CASE, [layer.from_reference(CASE, inp, r) for r in range(CASE.cp)])
+    assert failures(swa.reference_checks(), group, expected) == []
+
+
+def test_perturbed_snapshot_fails(snapshot):
+    inp, out = snapshot
+    got = _golden(inp)
+    expected = _reference_outputs(out)
+    expected[1]["x_out"] = expected[1]["x_out"].clone()
+    expected[1]["x_out"][0, 0, :64] *= 1.05
+    expected[0]["kv_cache"] = expected[0]["kv_cache"].clone()
+    final_rows = expected[0]["kv_cache"].view(-1, SMALL.head_dim)[inp["final_slot_mapping"].long()]
+    expected[0]["kv_cache"].view(-1, SMALL.head_dim)[inp["final_slot_mapping"].long()] = final_rows + 0.5
+    assert failures(swa.reference_checks(), got, expected) == [(0, "kv_cache"), (1, "x_out")]
+
+
+def test_default_profile_catches_one_wrong_cache_row(snapshot):
+    """The reference's kv_cache budget (0.5 % of the pool) lets a whole wrong row through; ours does not."""
+    inp, out = snapshot
+    expected = _reference_outputs(out)
+    expected[0]["kv_cache"] = expected[0]["kv_cache"].clone()
+    expected[0]["kv_cache"].view(-1, SMALL.head_dim)[int(inp["final_slot_mapping"][5])] += 0.5
+    got = _golden(inp)
+    assert failures(swa.reference_checks(), got, expected) == []
+    assert failures(swa.default_checks(), got, expected) == [(0, "kv_cache")]
