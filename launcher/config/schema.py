@@ -61,6 +61,11 @@ class RunSchema:
     layer: LayerSchema = MISSING
     model: ModelSchema = MISSING  # typed here: a model YAML of one's own is checked without naming a schema
     tp: Optional[int] = None  # attention layers; null = 4
+    phase: str = "decode"  # decode | prefill (context-parallel, layers/prefill)
+    cp: Optional[int] = None  # phase=prefill: CP size; null = 2
+    cp_layout: str = "zigzag"  # phase=prefill: zigzag | contiguous
+    prefix: int = 0  # phase=prefill: history rows in the KV cache before the step
+    segment_lens: Any = None  # phase=prefill: 2*cp segment lengths; null = one window each
     ep: Optional[int] = None  # the MoE layer; null = 2
     dp: int = 1
     layer_id: Optional[int] = None  # MoE case keys (null: layer 0, every token active, random routing)

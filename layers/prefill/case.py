@@ -7,8 +7,10 @@ them (`tables.owner_segments`); a segment holds at most `MAX_SEGMENT_TILES` tile
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from ..contract.case import group_seed
 from ..contract.config import ConfigError, ModelConfig
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -29,6 +31,28 @@ class PrefillCase:
     prefix: int = 0
     # One length per logical segment; None: every segment one window long (the reference's).
     segment_lens: tuple[int, ...] | None = None
+    scope: str = "full"
+    phase = "prefill"  # not a field: what the registry looks the layer up by
+
+    @property
+    def local_t(self) -> int:
+        """Rows of one rank's layout: two parts of MAX_SEGMENT_TILES query tiles (some inactive)."""
+        return 2 * MAX_SEGMENT_TILES * self.window
+
+    @property
+    def seq(self) -> int:
+        """Tokens come one per row (an output fault corrupts one row)."""
+        return 1
+
+    def describe(self) -> dict:
+        """The keys that define the step beside the model (result.json's case, manifests)."""
+        return {"layer": self.layer, "phase": self.phase, "scope": self.scope, "cp": self.cp,
+                "cp_layout": self.cp_layout, "prefix": self.prefix, "segment_lens": list(self.lengths),
+                "seed": self.seed}
+
+    def of_group(self, group: int) -> "PrefillCase":
+        """The case of CP group `group` of a launch of several: its own prompt and weights."""
+        return self if group == 0 else dataclasses.replace(self, seed=group_seed(self.seed, group))
 
     @property
     def group_size(self) -> int:

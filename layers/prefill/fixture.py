@@ -13,7 +13,7 @@ import torch
 from ..components import rope
 from ..contract.case import Case
 from ..fixtures import draw
-from ..registry import get_layer
+from .. import registry  # the decode layers by name (registry imports this package: read at call time)
 from . import tables
 from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PREFILL_ORI_BLOCKS, PrefillCase
 
@@ -25,7 +25,7 @@ def weights(case: PrefillCase) -> dict[str, torch.Tensor]:
     """Every replicated weight, full O weights included, and the RoPE table [max_pos, R]."""
     m = case.model
     decode = Case("swa", m, 1, m.decode_seq, case.seed)
-    held = get_layer("swa").rank_inputs(decode, 0)
+    held = registry.get_layer("swa").rank_inputs(decode, 0)
     cos, sin = rope.rope_rows(m, torch.arange(m.max_position_embeddings), 0)
     return {**{n: held[n] for n in WEIGHTS}, "freqs_cos": cos, "freqs_sin": sin}
 

@@ -5,7 +5,7 @@ cut each segment's tail, exchange the tails with every peer, attend over the win
 from the cache ring, earlier segments from their tails, the segment itself from its own
 rows), project out (W8A8, full weights: every rank holds every head), hc_post, and commit the
 final window into the rank's own kv_cache. Rows are the rank's `[2, tiles, WIN]` layout
-flattened; inactive rows are zero in x_out.
+flattened (x_out [2·tiles·WIN, HC, D]); inactive rows are zero in x_out.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _hc_post(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
     x = v["x_hc"]
     y = hc.hc_post(v["attn_out"], x.reshape(-1, *x.shape[-2:]), v["post"], v["comb"])
     y[~row_mask(v["segment_active_lengths"], ctx.case.window)] = 0
-    return {"x_out": y.reshape(x.shape)}
+    return {"x_out": y}  # [rows, HC, D]: the layout's rows in order (part, tile, row)
 
 
 def _final_window(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
