@@ -760,9 +760,12 @@ class PrefillDroppedKeys(StageDefect):
     """The reference's key tables: only the immediate predecessor's tail, so a segment shorter
     than the window drops the keys of the segments before it."""
 
-    stages = ("window_attention",)
+    stages = ("key_table",)
 
     def defective(self, stage, ctx, v):
         from layers.prefill import tables
 
-        return stage.run(ctx, {**v, "swa_key_rows": tables.key_rows(ctx.case, ctx.rank, predecessors="first")})
+        rows = tables.key_rows(v["query_position_ids"], v["overlay_active_lengths"], v["predecessor_segments"],
+                               v["segment_starts_t"], ctx.case.window, v["kv_cache"][..., 0, 0].numel(),
+                               predecessors="first")
+        return {"swa_key_rows": rows}

@@ -33,7 +33,8 @@ from launcher.config.faults import Fault
 from launcher.config.faults import check_unset as check_fault_unset
 from launcher.config.job_slot import JobSlot
 from launcher.config.overrides import override_keys
-from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer
+from launcher.config.replay import (SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer,
+                                    replayed_phase)
 from launcher.config.resolvers import tp_of
 from launcher.config.slurm import node_keys, slurm_step
 from launcher.config.tolerance import Tolerances, read_tolerances
@@ -316,10 +317,11 @@ def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str]
         facts = describe_snapshot(_path(cfg.golden_data))
         # The snapshot's layer decides which keys the case takes (tp or ep): read it first.
         layer = replayed_layer(str(cfg.layer.name), facts, given)
-        if layer != cfg.layer.name:
+        phase = replayed_phase(str(cfg.phase), facts, given)
+        if layer != cfg.layer.name or phase != cfg.phase:
             cfg = copy.deepcopy(cfg)
             with open_dict(cfg):
-                cfg.layer.name = layer
+                cfg.layer.name, cfg.phase = layer, phase
     spec = run_spec(cfg, output_dir)
     if facts is not None:
         case, read = replayed_case(spec.case, facts, given, _default_local_t)

@@ -44,20 +44,21 @@ def history_cache(case: PrefillCase) -> torch.Tensor:
 
 
 def rank_tables(case: PrefillCase, rank: int) -> dict[str, torch.Tensor]:
-    """Rank's metadata: the reference's names, cut to the rank (no cp axis), plus its key table."""
+    """Rank's metadata with the reference's names: its own slice of the per-rank tables (no cp
+    axis) and the replicated ones whole."""
     positions, _ = tables.query_positions(case)
     parts = tables.owner_segments(case)[rank]
     seg_src, row_src, slot = tables.final_window(case)
     return {
-        "query_position_ids": positions[rank],
-        "segment_active_lengths": torch.tensor([case.lengths[s] for s in parts], dtype=torch.int32),
+        "segment_starts_t": torch.tensor(case.starts, dtype=torch.int32),
         "predecessor_segments": torch.tensor([s - 1 for s in parts], dtype=torch.int32),
+        "query_position_ids": positions[rank],
+        "overlay_active_lengths": tables.overlay_active_lengths(case)[rank],
         "reverse_index": tables.reverse_index(case),
-        "owner_rank_table": tables.owner_rank_table(case),
         "final_win_seg_src": seg_src,
         "final_win_row_src": row_src,
         "final_slot_mapping": slot,
-        "swa_key_rows": tables.key_rows(case, rank),
+        "owner_rank_table": tables.owner_rank_table(case),
     }
 
 

@@ -1,9 +1,9 @@
 """The SWA CP prefill layer as the launcher runs it (the `Layer` interface), and the golden.
 
-`forward` walks `swa.stages()` on the rank's CP group. The golden is the independent
+The layer walks `swa.stages()` on the rank's CP group. The golden is the independent
 whole-prompt golden (`golden.whole_prompt`) cut to the rank: computed by the group together
 (`golden_of_group`), since a rank holds only its own segments of the prompt. `from_reference`
-turns the reference's rank-stacked tensors into one rank's inputs.
+turns the reference's tensors (its snapshot's layout) into one rank's inputs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..contract.checks import Check
+from ..contract.config import SMALL
 from ..contract.context import RankContext
 from ..contract.tensors import Kind, TensorSpec
 from ..distributed import wire
@@ -31,15 +32,17 @@ def golden(case: PrefillCase, ranks: Sequence[int], prompt: torch.Tensor,
     return [{"kv_cache": final, "x_out": golden_math.rank_slice(case, r, x_out).flatten(0, 2)} for r in ranks]
 
 
-def from_reference(case: PrefillCase, stacked: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    """Rank's inputs from the reference's rank-stacked tensors (weights are replicated there)."""
-    own = {n: stacked[n] for n in (*fixture.WEIGHTS, "freqs_cos", "freqs_sin")}
-    return {**own, "x_hc": stacked["x_hc"][rank], "kv_cache": stacked["kv_cache"][rank].clone(),
-            **fixture.rank_tables(case, rank)}
+def from_reference(stacked: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Rank's inputs from the reference's tensors (`in/<name>.pt` of its snapshot): the
+    replicated ones whole, the others' rank slice."""
+    return {n: stacked[n] if n in LAYER.replicated_inputs else stacked[n][rank].clone() for n in LAYER_INPUTS}
 
 
 class PrefillSWALayer(StagedLayer):
     name = "swa"
+    replicated_inputs = frozenset(fixture.WEIGHTS) | {"freqs_cos", "freqs_sin", "segment_starts_t", "reverse_index",
+                                                      "final_win_seg_src", "final_win_row_src", "final_slot_mapping",
+                                                      "owner_rank_table"}
     sharded_o_weights = False  # every rank holds every head and the full O weights
     golden_per_rank = False  # the golden needs the whole prompt: every rank's segments
 
@@ -53,40 +56,50 @@ class PrefillSWALayer(StagedLayer):
         return swa.default_checks()
 
     def tensor_specs(self, case: PrefillCase) -> dict[str, TensorSpec]:
-        m, w, inp = case.model, case.window, Kind.INPUT
+        """The reference's names; x_hc and kv_cache, the per-rank tables and x_out per rank,
+        everything else replicated (its snapshot holds those once). x_out is computed as the
+        layout's rows flattened [2·tiles·WIN, HC, D] and stored in the layout."""
+        m, w = case.model, case.window
         f32, bf16, i32, i8 = torch.float32, torch.bfloat16, torch.int32, torch.int8
         rows = (tables.LOCAL_PARTS, MAX_SEGMENT_TILES, w)
         ql, h, hd, d, g = m.q_lora_rank, m.num_attention_heads, m.head_dim, m.hidden_size, m.o_groups
-        nseg = case.num_segments
+        nseg, rope = case.num_segments, (m.max_position_embeddings, m.qk_rope_head_dim)
+
+        def rep(shape, dtype):
+            return TensorSpec(shape, dtype, Kind.INPUT, replicated=True)
+
+        def own(shape, dtype):
+            return TensorSpec(shape, dtype, Kind.INPUT)
+
         return {
-            "x_hc": TensorSpec((*rows, m.hc_mult, d), f32, inp),
-            "hc_attn_fn": TensorSpec((m.mix_hc, m.hc_dim), f32, inp),
-            "hc_attn_scale": TensorSpec((3,), f32, inp),
-            "hc_attn_base": TensorSpec((m.mix_hc,), f32, inp),
-            "attn_norm_w": TensorSpec((d,), bf16, inp),
-            "wq_a": TensorSpec((d, ql), bf16, inp),
-            "wq_b": TensorSpec((ql, h * hd), i8, inp),
-            "wq_b_scale": TensorSpec((h * hd,), f32, inp),
-            "wkv": TensorSpec((d, hd), bf16, inp),
-            "gamma_cq": TensorSpec((ql,), bf16, inp),
-            "gamma_ckv": TensorSpec((hd,), bf16, inp),
-            "freqs_cos": TensorSpec((m.max_position_embeddings, m.qk_rope_head_dim), bf16, inp),
-            "freqs_sin": TensorSpec((m.max_position_embeddings, m.qk_rope_head_dim), bf16, inp),
+            "x_hc": own((*rows, m.hc_mult, d), f32),
+            "hc_attn_fn": rep((m.mix_hc, m.hc_dim), f32),
+            "hc_attn_scale": rep((3,), f32),
+            "hc_attn_base": rep((m.mix_hc,), f32),
+            "attn_norm_w": rep((d,), bf16),
+            "wq_a": rep((d, ql), bf16),
+            "wq_b": rep((ql, h * hd), i8),
+            "wq_b_scale": rep((h * hd,), f32),
+            "wkv": rep((d, hd), bf16),
+            "gamma_cq": rep((ql,), bf16),
+            "gamma_ckv": rep((hd,), bf16),
+            "freqs_cos": rep(rope, bf16),
+            "freqs_sin": rep(rope, bf16),
             "kv_cache": TensorSpec((PREFILL_ORI_BLOCKS, PREFILL_BLOCK_ROWS, 1, hd), bf16, Kind.INOUT),
-            "attn_sink": TensorSpec((h,), f32, inp),
-            "wo_a": TensorSpec((g, m.o_lora_rank, m.group_in), bf16, inp),
-            "wo_b": TensorSpec((d, g * m.o_lora_rank), i8, inp),
-            "wo_b_scale": TensorSpec((d,), f32, inp),
-            "query_position_ids": TensorSpec(rows, i32, inp),
-            "segment_active_lengths": TensorSpec((tables.LOCAL_PARTS,), i32, inp),
-            "predecessor_segments": TensorSpec((tables.LOCAL_PARTS,), i32, inp),
-            "reverse_index": TensorSpec((nseg,), i32, inp),
-            "owner_rank_table": TensorSpec((nseg,), i32, inp),
-            "final_win_seg_src": TensorSpec((w,), i32, inp),
-            "final_win_row_src": TensorSpec((w,), i32, inp),
-            "final_slot_mapping": TensorSpec((w,), i32, inp),
-            "swa_key_rows": TensorSpec((*rows, w), i32, inp),
-            "x_out": TensorSpec((case.local_t, m.hc_mult, d), f32, Kind.OUTPUT),
+            "attn_sink": rep((h,), f32),
+            "wo_a": rep((g, m.o_lora_rank, m.group_in), bf16),
+            "wo_b": rep((d, g * m.o_lora_rank), i8),
+            "wo_b_scale": rep((d,), f32),
+            "segment_starts_t": rep((nseg,), i32),
+            "predecessor_segments": own((tables.LOCAL_PARTS,), i32),
+            "query_position_ids": own(rows, i32),
+            "overlay_active_lengths": own((*rows[:2], 2), i32),
+            "reverse_index": rep((nseg,), i32),
+            "final_win_seg_src": rep((w,), i32),
+            "final_win_row_src": rep((w,), i32),
+            "final_slot_mapping": rep((w,), i32),
+            "owner_rank_table": rep((nseg,), i32),
+            "x_out": TensorSpec((case.local_t, m.hc_mult, d), f32, Kind.OUTPUT, stored=(*rows, m.hc_mult, d)),
         }
 
     def rank_inputs(self, case: PrefillCase, rank: int) -> dict[str, torch.Tensor]:
@@ -109,5 +122,8 @@ class PrefillSWALayer(StagedLayer):
 
 
 LAYER = PrefillSWALayer()
+# Every input of a rank, by name (the model and case do not change the names).
+LAYER_INPUTS = tuple(n for n, s in LAYER.tensor_specs(PrefillCase("swa", SMALL, 1, 0)).items()
+                     if s.kind is not Kind.OUTPUT)
 
-__all__ = ["COMPARED", "golden", "from_reference", "PrefillSWALayer", "LAYER"]
+__all__ = ["COMPARED", "LAYER_INPUTS", "golden", "from_reference", "PrefillSWALayer", "LAYER"]

@@ -1,6 +1,6 @@
 """The SWA CP prefill step as its stage list (docs/prefill.md §5; prefill_cp_swa.py).
 
-Per rank: project its two segments (hc_pre, RMSNorm, Q/KV with RoPE at global positions),
+Per rank: derive its key table from the reference's metadata, project its two segments (hc_pre, RMSNorm, Q/KV with RoPE at global positions),
 cut each segment's tail, exchange the tails with every peer, attend over the window (history
 from the cache ring, earlier segments from their tails, the segment itself from its own
 rows), project out (W8A8, full weights: every rank holds every head), hc_post, and commit the
@@ -36,10 +36,15 @@ def reference_checks() -> tuple[Check, ...]:
             RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.005, max_diff_hd=1))
 
 
-def row_mask(segment_active_lengths: torch.Tensor, window: int) -> torch.Tensor:
-    """bool [2·tiles·WIN]: which of the rank's rows hold a token."""
-    offset = torch.arange(MAX_SEGMENT_TILES * window)
-    return (offset[None, :] < segment_active_lengths.long()[:, None]).reshape(-1)
+def row_mask(overlay_active_lengths: torch.Tensor, window: int) -> torch.Tensor:
+    """bool [2·tiles·WIN]: which of the rank's rows hold a token (each tile's own active rows)."""
+    return (torch.arange(window) < overlay_active_lengths[..., 1].long()[..., None]).reshape(-1)
+
+
+def _key_table(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    rows = tables.key_rows(v["query_position_ids"], v["overlay_active_lengths"], v["predecessor_segments"],
+                           v["segment_starts_t"], ctx.case.window, v["kv_cache"][..., 0, 0].numel())
+    return {"swa_key_rows": rows}
 
 
 def _project(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
@@ -59,8 +64,9 @@ def _local_tails(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
     win = ctx.case.window
     kv = v["kv"].reshape(tables.LOCAL_PARTS, MAX_SEGMENT_TILES * win, -1)
     tail = torch.zeros(tables.LOCAL_PARTS, win, kv.shape[-1], dtype=kv.dtype)
+    lengths = v["overlay_active_lengths"][..., 1].sum(dim=1)  # each part's segment length
     for p in range(tables.LOCAL_PARTS):
-        n = int(v["segment_active_lengths"][p])
+        n = int(lengths[p])
         start = max(0, n - win)
         tail[p, : n - start] = kv[p, start:n]
     return {"local_kv_tail": tail.reshape(tables.LOCAL_PARTS * win, -1)}
@@ -92,7 +98,7 @@ def _o_proj(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
 def _hc_post(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
     x = v["x_hc"]
     y = hc.hc_post(v["attn_out"], x.reshape(-1, *x.shape[-2:]), v["post"], v["comb"])
-    y[~row_mask(v["segment_active_lengths"], ctx.case.window)] = 0
+    y[~row_mask(v["overlay_active_lengths"], ctx.case.window)] = 0
     return {"x_out": y}  # [rows, HC, D]: the layout's rows in order (part, tile, row)
 
 
@@ -112,7 +118,9 @@ def stages() -> tuple[Stage, ...]:
         Stage("project", ("x_hc", *FRONT, "freqs_cos", "freqs_sin", "query_position_ids"),
               (judged(bf16_close("q")), judged(bf16_close("kv")), judged(fp32_close("post")),
                judged(fp32_close("comb")), judged(exact("rope_cos")), judged(exact("rope_sin"))), _project),
-        Stage("local_tails", ("kv", "segment_active_lengths"), (judged(exact("local_kv_tail"), bf16_close("local_kv_tail")),),
+        Stage("key_table", ("query_position_ids", "overlay_active_lengths", "predecessor_segments",
+                            "segment_starts_t", "kv_cache"), (judged(exact("swa_key_rows")),), _key_table),
+        Stage("local_tails", ("kv", "overlay_active_lengths"), (judged(exact("local_kv_tail"), bf16_close("local_kv_tail")),),
               _local_tails),
         Stage("tail_exchange", ("local_kv_tail", "reverse_index"),
               (judged(exact("logical_tails_out"), bf16_close("logical_tails_out")),),
@@ -121,7 +129,7 @@ def stages() -> tuple[Stage, ...]:
               (judged(AllcloseCheck("o", atol=1e-4, rtol=1 / 128)),), _window_attention),
         Stage("o_proj", ("o", "rope_cos", "rope_sin", "wo_a", "wo_b", "wo_b_scale"),
               (judged(bf16_close("attn_out")),), _o_proj),
-        Stage("hc_post", ("attn_out", "x_hc", "post", "comb", "segment_active_lengths"),
+        Stage("hc_post", ("attn_out", "x_hc", "post", "comb", "overlay_active_lengths"),
               (judged(fp32_close("x_out"), x_check),), _hc_post),
         Stage("final_window_commit", ("kv_cache", "logical_tails_out", "final_win_seg_src", "final_win_row_src",
                                       "final_slot_mapping"), (judged(exact("kv_cache"), kv_check),), _final_window),

@@ -6,9 +6,10 @@ replicated-KV variant): rank r owns segments 2r and 2r+1. Either way a rank's tw
 rank-major in the exchange window (row block 2·rank + part), and `reverse_index[s]` is the
 rank-major block of logical segment s.
 
-`reference_metadata` builds the reference's tensors (`build_metadata` of prefill_cp_swa.py,
-with history and uneven lengths filled in); `key_rows` is this project's key table, which
-takes every in-window key from whichever segment's tail holds it.
+The builders here give the reference's metadata tensors (`build_metadata` of
+prefill_cp_swa.py, with history and uneven lengths filled in); `key_rows` is this project's
+key table, derived from them alone, which takes every in-window key from whichever
+segment's tail holds it.
 """
 
 from __future__ import annotations
@@ -96,40 +97,57 @@ def query_positions(case: PrefillCase) -> tuple[torch.Tensor, torch.Tensor]:
     return pos, active
 
 
-def key_rows(case: PrefillCase, rank: int, predecessors: str = "all") -> torch.Tensor:
-    """Rank's key table [2, tiles, w, WIN] int32 into its staging rows
-    `[cache ring (cache_rows) | logical tails (2cp·w) | local kv (2·tiles·w)]`, −1 where no key.
+def overlay_active_lengths(case: PrefillCase) -> torch.Tensor:
+    """The reference's `overlay_active_lengths` [cp, 2, tiles, 2]: per query tile, the rows of
+    its predecessor overlay (tile 0: the predecessor segment's tail, none for segment 0;
+    tile 1: the segment's own tile 0) and its own active rows."""
+    w, parts = case.window, owner_segments(case)
+    out = torch.zeros(case.cp, LOCAL_PARTS, MAX_SEGMENT_TILES, 2, dtype=torch.int32)
+    for r in range(case.cp):
+        for p in range(LOCAL_PARTS):
+            s = parts[r][p]
+            for t in range(MAX_SEGMENT_TILES):
+                pred = (min(w, case.lengths[s - 1]) if s > 0 else 0) if t == 0 else active_rows(case.lengths[s], w, 0)
+                out[r, p, t] = torch.tensor([pred, active_rows(case.lengths[s], w, t)])
+    return out
 
-    Column c of query q (global position) is key position q − WIN + 1 + c (valid: ≥ 0).
-    History keys (< prefix) are ring rows; keys of the query's own segment are local rows;
-    keys of an earlier segment are rows of its tail. `predecessors="first"`: only the
-    immediate predecessor's tail, as the reference's tables (keys further back dropped).
+
+def key_rows(query_position_ids: torch.Tensor, overlay_active_lengths: torch.Tensor,
+             predecessor_segments: torch.Tensor, segment_starts: torch.Tensor, window: int, cache_rows: int,
+             predecessors: str = "all") -> torch.Tensor:
+    """One rank's key table [2, tiles, w, WIN] int32 into its staging rows
+    `[cache ring (cache_rows) | logical tails (2cp·w) | local kv (2·tiles·w)]`, −1 where no key,
+    from the rank's reference tables alone.
+
+    Column c of the query at global position q is key position k = q − WIN + 1 + c (valid:
+    k ≥ 0, the query row active). History keys (k < prefix = segment_starts[0]) are ring rows;
+    keys of the query's own segment (predecessor + 1) are its local rows; a key of an earlier
+    segment j is row k − tail_start(j) of j's tail, where tail_start(j) = max(start_j,
+    start_{j+1} − w). `predecessors="first"`: only the immediate predecessor's tail, as the
+    reference's tables (keys further back dropped).
     """
-    w, nseg, parts = case.window, case.num_segments, owner_segments(case)
-    tails_base = case.cache_rows
-    local_base = tails_base + nseg * w
-    starts, lens = case.starts, case.lengths
-    rows = torch.full((LOCAL_PARTS, MAX_SEGMENT_TILES, w, w), -1, dtype=torch.int32)
-    for p in range(LOCAL_PARTS):
-        s = parts[rank][p]
-        for t in range(MAX_SEGMENT_TILES):
-            for i in range(active_rows(lens[s], w, t)):
-                q = starts[s] + t * w + i
-                for c in range(w):
-                    k = q - w + 1 + c
-                    if k < 0:
-                        continue
-                    if k < case.prefix:
-                        rows[p, t, i, c] = ring_row(case, k)
-                    elif k >= starts[s]:
-                        rows[p, t, i, c] = local_base + (p * MAX_SEGMENT_TILES) * w + (k - starts[s])
-                    else:
-                        ks = max(j for j in range(s) if starts[j] <= k)
-                        if predecessors == "first" and ks != s - 1:
-                            continue
-                        rows[p, t, i, c] = tails_base + ks * w + (k - tail_start(case, ks))
-    return rows
+    parts, tiles, w = query_position_ids.shape
+    starts = segment_starts.long()
+    nseg = starts.numel()
+    prefix = starts[0]
+    tails_base, local_base = cache_rows, cache_rows + nseg * window
+    q = query_position_ids.long()[..., None]  # [2, tiles, w, 1]
+    k = q - window + 1 + torch.arange(window)  # [2, tiles, w, WIN]
+    active = torch.arange(w)[None, None, :] < overlay_active_lengths[..., 1].long()[..., None]  # [2, tiles, w]
+    own = (predecessor_segments.long() + 1)[:, None, None, None]  # [2, 1, 1, 1]
+    own_start = starts[own]
+    seg_of_key = torch.searchsorted(starts, k, right=True) - 1  # −1: history
+    next_start = torch.cat((starts[1:], starts[-1:]))  # the last segment's tail is never read
+    tail_start = torch.maximum(starts, next_start - window)
+    earlier = tails_base + seg_of_key.clamp(min=0) * window + (k - tail_start[seg_of_key.clamp(min=0)])
+    if predecessors == "first":
+        earlier = torch.where(seg_of_key == own - 1, earlier, -1)
+    part_base = local_base + torch.arange(parts)[:, None, None, None] * tiles * w
+    rows = torch.where(k >= own_start, part_base + (k - own_start), earlier)
+    rows = torch.where(k < prefix, k % cache_rows, rows)
+    rows = torch.where((k >= 0) & active[..., None], rows, -1)
+    return rows.to(torch.int32)
 
 
 __all__ = ["LOCAL_PARTS", "owner", "owner_segments", "owner_rank_table", "reverse_index", "active_rows",
-           "tail_start", "ring_row", "final_window", "query_positions", "key_rows"]
+           "tail_start", "ring_row", "final_window", "query_positions", "overlay_active_lengths", "key_rows"]

@@ -111,12 +111,12 @@ def test_final_window_on_owner_only_fails():
 
 def test_dropped_keys_fail_on_short_segments_only():
     """The reference's tables: only the immediate predecessor's tail; keys further back dropped."""
-    base = _stage("window_attention")
-
     def run(ctx, v):
-        return base.run(ctx, dict(v, swa_key_rows=tables.key_rows(ctx.case, ctx.rank, predecessors="first")))
+        return {"swa_key_rows": tables.key_rows(v["query_position_ids"], v["overlay_active_lengths"],
+                                                v["predecessor_segments"], v["segment_starts_t"], ctx.case.window,
+                                                ctx.case.cache_rows, predecessors="first")}
 
-    stages = _replaced("window_attention", run)
+    stages = _replaced("key_table", run)
     assert _run(case(2), stages) == []
     short = case(2, segment_lens=(128, 40, 30, 128))  # segment 2's first rows reach into segment 0
     assert (1, "x_out") in _run(short, stages)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layers.contract.config import SMALL
-from layers.prefill import golden, layer, swa, tables
+from layers.prefill import fixture, golden, layer, swa, tables
 from layers.prefill.case import PrefillCase
 from tests.prefill.group import run_group
 from tests.prefill.judge import failures
@@ -35,9 +35,11 @@ def test_tables_are_the_references(snapshot):
     assert torch.equal(seg_src, inp["final_win_seg_src"])
     assert torch.equal(row_src, inp["final_win_row_src"])
     assert torch.equal(slot, inp["final_slot_mapping"])
+    assert torch.equal(tables.overlay_active_lengths(CASE), inp["overlay_active_lengths"])
     for r in range(CASE.cp):
-        mine = layer.from_reference(CASE, inp, r)
-        assert torch.equal(mine["predecessor_segments"], inp["predecessor_segments"][r])
+        mine = fixture.rank_tables(CASE, r)
+        for name, table in mine.items():
+            assert torch.equal(table, inp[name] if name in layer.LAYER.replicated_inputs else inp[name][r]), name
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def ours(snapshot):
     """Our independent golden on the snapshot's inputs, every rank."""
     inp, _ = snapshot
     prompt = golden.prompt_of(CASE, inp["x_hc"])
-    return layer.golden(CASE, range(CASE.cp), prompt, layer.from_reference(CASE, inp, 0))
+    return layer.golden(CASE, range(CASE.cp), prompt, layer.from_reference(inp, 0))
 
 
 def _reference_outputs(out):
@@ -57,7 +59,7 @@ def test_golden_and_cp_group_reproduce_the_reference(snapshot, ours):
     expected = _reference_outputs(out)
     assert failures(swa.reference_checks(), ours, expected) == []
     assert failures(swa.default_checks(), ours, expected) == []
-    group = run_group(CASE, [layer.from_reference(CASE, inp, r) for r in range(CASE.cp)])
+    group = run_group(CASE, [layer.from_reference(inp, r) for r in range(CASE.cp)])
     assert failures(swa.reference_checks(), group, expected) == []
 
 
