@@ -62,11 +62,12 @@ def prefill_layer(name: str) -> Layer:
     return PREFILL[name]
 
 
-def layer_of(case) -> Layer:
-    """The layer (or focused scope) a case runs: its phase's, by name and scope."""
+def layer_of(case, scope: str | None = None) -> Layer:
+    """The layer (or focused scope) a case runs: its phase's, by name and scope (`scope`: in
+    place of the case's own)."""
     if isinstance(case, PrefillCase):
         return prefill_layer(case.layer)
-    return get_scope(case.layer, case.scope)
+    return get_scope(case.layer, case.scope if scope is None else scope)
 
 
 def validated(case) -> Layer:

@@ -37,6 +37,19 @@ def test_prefill_defect_fails_naming_tensor_and_rank(tp_run, impl, keys, tensor,
     assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == ranks, run
 
 
+@pytest.mark.parametrize("impl, keys, stage, ranks", [
+    (defects.PrefillMissingPredecessorTail, {}, "tail_exchange", [1]),
+    (defects.PrefillLocalRopePositions, {}, "project", [0, 1]),
+    (defects.PrefillFinalWindowOnOwnerOnly, {}, "final_window_commit", [1]),
+    (defects.PrefillDroppedKeys, {"segment_lens": "[128,40,30,128]"}, "key_table", [0, 1]),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_bisect_names_the_defective_stage_and_ranks(tp_run, impl, keys, stage, ranks):
+    run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=impl, bisect=True, **keys)
+    assert run.exit_code == 1, run
+    located = run.result["bisect"]
+    assert (located["stage"], located["ranks"]) == (stage, ranks), run
+
+
 def test_dropped_keys_pass_when_every_segment_fills_the_window(tp_run):
     run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=defects.PrefillDroppedKeys)
     assert run.exit_code == 0, run
