@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import functools
 
-from . import csa, hca, moe, swa
-from .moe_collectives import MoECollectivesScope
+from .csa import layer as csa
+from .hca import layer as hca
+from .moe import layer as moe
+from .swa import layer as swa
+from .moe.collectives import MoECollectivesScope
 from .prefill import layer as prefill
 from .prefill.case import PrefillCase
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.layer import Layer
-from .scopes import CollectivesScope, OutputScope, TP1Scope
+from .attention.scopes import CollectivesScope, OutputScope, TP1Scope
 
 LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER, moe.LAYER)}
 # The layers the focused scopes cut into: the attention layers (their TP output half).

@@ -18,7 +18,7 @@ import torch
 from .contract.context import RankContext
 from .contract.stage import Stage, Values
 from .registry import layer_of
-from .staged import StagedLayer
+from .contract.staged import StagedLayer
 
 
 class TorchTP:

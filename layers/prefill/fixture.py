@@ -1,6 +1,6 @@
 """Rank r's slice of a CP prefill case, drawn from one seeded prompt stream (docs/prefill.md §3).
 
-Weights are the SWA decode layer's (its recipe, drawn at tp = 1 through the registry) and
+Weights are the SWA decode layer's (its recipe, drawn at tp = 1) and
 replicated. The prompt is drawn segment by segment (key: the logical segment), so a rank draws
 only its two segments and both layouts see the same prompt. The history in the KV ring is
 the same on every rank (the pool every rank commits the final window to).
@@ -13,7 +13,7 @@ import torch
 from ..components import rope
 from ..contract.case import Case
 from ..fixtures import draw
-from .. import registry  # the decode layers by name (registry imports this package: read at call time)
+from ..swa import layer as swa_decode
 from . import tables
 from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PREFILL_ORI_BLOCKS, PrefillCase
 
@@ -25,7 +25,7 @@ def weights(case: PrefillCase) -> dict[str, torch.Tensor]:
     """Every replicated weight, full O weights included, and the RoPE table [max_pos, R]."""
     m = case.model
     decode = Case("swa", m, 1, m.decode_seq, case.seed)
-    held = registry.get_layer("swa").rank_inputs(decode, 0)
+    held = swa_decode.LAYER.rank_inputs(decode, 0)
     cos, sin = rope.rope_rows(m, torch.arange(m.max_position_embeddings), 0)
     return {**{n: held[n] for n in WEIGHTS}, "freqs_cos": cos, "freqs_sin": sin}
 

@@ -2,7 +2,7 @@
 
 The layer walks `swa.stages()` on the rank's CP group. The golden is the independent
 whole-prompt golden (`golden.whole_prompt`) cut to the rank: computed by the group together
-(`golden_of_group`), since a rank holds only its own segments of the prompt. `from_reference`
+(`rank_golden`), since a rank holds only its own segments of the prompt. `from_reference`
 turns the reference's tensors (its snapshot's layout) into one rank's inputs.
 """
 
@@ -17,7 +17,7 @@ from ..contract.config import SMALL
 from ..contract.context import RankContext
 from ..contract.tensors import Kind, TensorSpec
 from ..distributed import wire
-from ..staged import StagedLayer
+from ..contract.staged import StagedLayer
 from . import fixture, golden as golden_math, swa, tables
 from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PREFILL_ORI_BLOCKS, PrefillCase
 
@@ -44,7 +44,6 @@ class PrefillSWALayer(StagedLayer):
                                                       "final_win_seg_src", "final_win_row_src", "final_slot_mapping",
                                                       "owner_rank_table"}
     sharded_o_weights = False  # every rank holds every head and the full O weights
-    golden_per_rank = False  # the golden needs the whole prompt: every rank's segments
 
     def stages(self, model) -> tuple:
         return swa.stages()
@@ -110,9 +109,15 @@ class PrefillSWALayer(StagedLayer):
         return w["wo_a"], w["wo_b"]
 
     def golden(self, case: PrefillCase, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("the prefill golden needs every rank's segments: golden_of_group")
+        """The whole prompt run once on one process from the group's tensors in the reference's
+        layout (the per-rank ones stacked [cp, ...], the replicated ones whole); outputs stacked."""
+        ranks = [from_reference(tensors, r) for r in range(case.cp)]
+        prompt = golden_math.prompt_of(case, torch.stack([r["x_hc"] for r in ranks]))
+        first = ranks[0]
+        outs = golden(case, range(case.cp), prompt, {**first, "kv_cache": first["kv_cache"].clone()})
+        return {n: torch.stack([o[n] for o in outs]) for n in COMPARED}
 
-    def golden_of_group(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def rank_golden(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every rank's x_hc gathered (the harness's all-gather), the whole prompt run once."""
         case = ctx.case
         every_x = wire.all_gather(tensors["x_hc"].contiguous(), ctx.group, case.cp)

@@ -16,7 +16,7 @@ from ..components import attention, hc, o_proj, qkv
 from ..contract.checks import AllcloseCheck, Check, RelDiffCheck
 from ..contract.context import RankContext
 from ..contract.stage import Stage, Values
-from ..staged import bf16_close, exact, fp32_close, judged
+from ..contract.staged import bf16_close, exact, fp32_close, judged
 from . import exchange, tables
 from .case import MAX_SEGMENT_TILES
 

@@ -8,7 +8,7 @@ import torch
 from layers.contract.context import RankContext
 from layers.prefill import layer, swa
 from layers.prefill.case import PrefillCase
-from layers.staged import run_stages
+from layers.contract.staged import run_stages
 
 
 def run_group(case: PrefillCase, inputs: list[dict], stages=None) -> list[dict]:
