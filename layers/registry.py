@@ -9,6 +9,8 @@ from .hca import layer as hca
 from .moe import layer as moe
 from .swa import layer as swa
 from .moe.collectives import MoECollectivesScope
+from .prefill import layer as prefill
+from .prefill.case import PrefillCase
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.layer import Layer
@@ -20,6 +22,9 @@ ATTENTION = ("swa", "csa", "hca")
 SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, "tp1": TP1Scope}
 # The MoE layer's own focused scopes: its two all-to-alls alone.
 MOE_SCOPES = {"collectives": MoECollectivesScope}
+# The context-parallel prefill layers (phase=prefill), by layer name.
+PREFILL = {prefill.LAYER.name: prefill.LAYER}
+PHASES = ("decode", "prefill")
 
 
 def layer_names() -> tuple[str, ...]:
@@ -54,10 +59,27 @@ def get_scope(layer_name: str, scope: str = "full") -> Layer:
     return SCOPES[scope](layer)
 
 
-def validated(case: Case) -> Layer:
+def prefill_layer(name: str) -> Layer:
+    if name not in PREFILL:
+        raise ConfigError(f"phase=prefill runs layer={'|'.join(PREFILL)}; layer={name} has no prefill stage list")
+    return PREFILL[name]
+
+
+def layer_of(case, scope: str | None = None) -> Layer:
+    """The layer (or focused scope) a case runs: its phase's, by name and scope (`scope`: in
+    place of the case's own)."""
+    if isinstance(case, PrefillCase):
+        return prefill_layer(case.layer)
+    return get_scope(case.layer, case.scope if scope is None else scope)
+
+
+def validated(case) -> Layer:
     """The layer (or scope) of `case` once the case passed every check: the TP-level rules all
     layers share (`Case.validate`), then the layer's own. The one validation of a case."""
-    layer = get_scope(case.layer, case.scope)
+    layer = layer_of(case)
+    if isinstance(case, PrefillCase):
+        layer.validate(case)
+        return layer
     if isinstance(case, Case):
         case.validate(layer.whole_requests)
     else:  # the MoE case: its EP rules
@@ -66,4 +88,4 @@ def validated(case: Case) -> Layer:
     return layer
 
 
-__all__ = ["LAYERS", "SCOPES", "layer_names", "scope_names", "get_layer", "get_scope", "validated"]
+__all__ = ["LAYERS", "SCOPES", "PREFILL", "PHASES", "prefill_layer", "layer_of", "layer_names", "scope_names", "get_layer", "get_scope", "validated"]

@@ -15,13 +15,13 @@ from __future__ import annotations
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.stage import Stage
-from .registry import get_scope
+from .registry import layer_of
 from .contract.staged import StagedLayer
 
 
 def layer_stages(case: Case) -> tuple[Stage, ...]:
     """The stages of the case's layer (scope full), in order."""
-    layer = get_scope(case.layer, "full")
+    layer = layer_of(case, scope="full")
     if not isinstance(layer, StagedLayer):
         raise ConfigError(f"layer {case.layer!r} has no stage list")
     return layer.stages(case.model)

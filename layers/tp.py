@@ -17,7 +17,7 @@ import torch
 
 from .contract.context import RankContext
 from .contract.stage import Stage, Values
-from .registry import get_scope
+from .registry import layer_of
 from .contract.staged import StagedLayer
 
 
@@ -29,7 +29,7 @@ class TorchTP:
         return stage.run(ctx, values)
 
     def __call__(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        scope = get_scope(ctx.case.layer, ctx.case.scope)
+        scope = layer_of(ctx.case)
         if isinstance(scope, StagedLayer):
             return scope.forward(ctx, tensors, run_stage=self.run_stage)
         return scope.forward(ctx, tensors)

@@ -715,3 +715,57 @@ class ExtraCollectiveOnceRank0MovedOn(TorchTP):
                 time.sleep(0.01)
             dist.all_reduce(torch.zeros(1), group=ctx.group)
         return out
+
+
+# -- context-parallel prefill (layers/prefill): one defect of the CP protocol each ---------------
+class PrefillMissingPredecessorTail(StageDefect):
+    """Rank 1 never receives rank 0's tails: zeros where rank 0's segments' tails belong."""
+
+    stages = ("tail_exchange",)
+
+    def defective(self, stage, ctx, v):
+        out = stage.run(ctx, v)["logical_tails_out"].clone()
+        if ctx.rank == 1:
+            from layers.prefill import tables  # this section's own: the file above only grows at its end
+
+            owners = torch.tensor([tables.owner(ctx.case, s)[0] for s in range(ctx.case.num_segments)])
+            out[owners == 0] = 0
+        return {"logical_tails_out": out}
+
+
+class PrefillLocalRopePositions(StageDefect):
+    """RoPE at the rank-local row index instead of the token's global position."""
+
+    stages = ("project",)
+
+    def defective(self, stage, ctx, v):
+        local = torch.arange(v["query_position_ids"].numel(), dtype=torch.int32).reshape(v["query_position_ids"].shape)
+        return stage.run(ctx, {**v, "query_position_ids": local})
+
+
+class PrefillFinalWindowOnOwnerOnly(StageDefect):
+    """Only the rank that owns the last segment commits the final window into its kv_cache."""
+
+    stages = ("final_window_commit",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import tables
+
+        if tables.owner(ctx.case, ctx.case.num_segments - 1)[0] == ctx.rank:
+            return stage.run(ctx, v)
+        return {"kv_cache": v["kv_cache"]}
+
+
+class PrefillDroppedKeys(StageDefect):
+    """The reference's key tables: only the immediate predecessor's tail, so a segment shorter
+    than the window drops the keys of the segments before it."""
+
+    stages = ("key_table",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import tables
+
+        rows = tables.key_rows(v["query_position_ids"], v["overlay_active_lengths"], v["predecessor_segments"],
+                               v["segment_starts_t"], ctx.case.window, v["kv_cache"][..., 0, 0].numel(),
+                               predecessors="first")
+        return {"swa_key_rows": rows}

@@ -27,13 +27,15 @@ from omegaconf import DictConfig
 from layers.contract.case import Case, MoECase
 from layers.contract.config import ConfigError, ModelConfig
 from layers.contract.layer import Layer
+from layers.prefill.case import PrefillCase
 from layers.registry import get_scope
 
 from launcher.config.overrides import override_keys
 
 # The keys a snapshot can fix; `model.<field>` keys are read as the model key too. The MoE
 # layer's snapshot fixes ep, layer_id and num_tokens in place of tp, local_t and start_pos.
-CASE_KEYS = ("layer", "scope", "tp", "local_t", "start_pos", "ep", "layer_id", "num_tokens", "seed", "model")
+CASE_KEYS = ("layer", "phase", "scope", "tp", "local_t", "start_pos", "ep", "layer_id", "num_tokens", "cp", "cp_layout",
+             "prefix", "segment_lens", "seed", "model")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ class SnapshotFacts:
     ep: Fact | None = None
     layer_id: Fact | None = None
     num_tokens: Fact | None = None
+    phase: Fact | None = None  # a CP prefill snapshot (layers/prefill) says prefill
+    cp: Fact | None = None
+    cp_layout: Fact | None = None
+    prefix: Fact | None = None
+    segment_lens: Fact | None = None
     seed: Fact | None = None
     model: ModelConfig | None = None  # the model its dims select (a preset, or one named "snapshot")
     model_fields: dict[str, Fact] = field(default_factory=dict)  # every field it fixes
@@ -124,6 +131,12 @@ def replayed_layer(layer: str, facts: SnapshotFacts, given: frozenset[str]) -> s
     return facts.layer.value
 
 
+def replayed_phase(phase: str, facts: SnapshotFacts, given: frozenset[str]) -> str:
+    """The phase a replay runs: the snapshot's (a decode snapshot says none), unless the user
+    named another (refused)."""
+    return _agreed("phase", phase, facts, given) if facts.phase is not None else phase
+
+
 def _agreed(key: str, current, facts: SnapshotFacts, given: frozenset[str]):
     """The snapshot's value of `key` where it has one (refusing a given value that differs),
     else the config's."""
@@ -159,13 +172,27 @@ def _replayed_moe_case(case: MoECase, facts: SnapshotFacts, given: frozenset[str
     return dataclasses.replace(case, model=model, **values), _read(facts)
 
 
-def replayed_case(case: Case | MoECase, facts: SnapshotFacts, given: frozenset[str],
-                  default_local_t) -> tuple[Case | MoECase, tuple[str, ...]]:
+def _replayed_prefill_case(case: PrefillCase, facts: SnapshotFacts,
+                           given: frozenset[str]) -> tuple[PrefillCase, tuple[str, ...]]:
+    """The CP prefill case of a replay: layer, cp, layout, prefix, segment lengths, seed and
+    model from the snapshot."""
+    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("layer", "cp", "cp_layout", "prefix")}
+    lens = _agreed("segment_lens", case.lengths, facts, given)
+    values["segment_lens"] = None if lens is None else tuple(lens)
+    values["seed"] = _seed(case, facts, given)
+    model = _model(case.model, facts, given, _field_overrides(case.model, given))
+    return dataclasses.replace(case, model=model, **values), _read(facts)
+
+
+def replayed_case(case: Case | MoECase | PrefillCase, facts: SnapshotFacts, given: frozenset[str],
+                  default_local_t) -> tuple[Case | MoECase | PrefillCase, tuple[str, ...]]:
     """The case of a replay: every fact of the snapshot, checked against the keys the user gave.
     Returns the case and the keys read from the snapshot. `default_local_t(layer, scope, model,
     tp)` is the config's default, for a snapshot that holds no local_t."""
     if isinstance(case, MoECase):
         return _replayed_moe_case(case, facts, given)
+    if isinstance(case, PrefillCase):
+        return _replayed_prefill_case(case, facts, given)
     values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("layer", "scope", "tp")}
     values["seed"] = _seed(case, facts, given)
     model = _model(case.model, facts, given, _field_overrides(case.model, given))
@@ -204,4 +231,4 @@ def facts_entry(facts: SnapshotFacts, read: Sequence[str]) -> dict:
     return entry
 
 
-__all__ = ["Fact", "SnapshotFacts", "CASE_KEYS", "given_keys", "replayed_layer", "replayed_case", "facts_entry"]
+__all__ = ["Fact", "SnapshotFacts", "CASE_KEYS", "given_keys", "replayed_layer", "replayed_phase", "replayed_case", "facts_entry"]

@@ -65,6 +65,11 @@ class RunSchema:
 
     layer: LayerSchema = MISSING
     model: ModelSchema = MISSING  # typed here: a model YAML of one's own is checked without naming a schema
+    phase: str = "decode"  # decode | prefill (context-parallel, layers/prefill)
+    cp: Optional[int] = None  # phase=prefill: CP size; null = 2
+    cp_layout: str = "zigzag"  # phase=prefill: zigzag | contiguous
+    prefix: int = 0  # phase=prefill: history rows in the KV cache before the step
+    segment_lens: Any = None  # phase=prefill: 2*cp segment lengths; null = one window each
     dp: int = 1
     seed: int = 20260819
     impl: Any = None

@@ -25,21 +25,24 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from layers.contract.case import Case, MoECase
 from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
 from layers.contract.layer import Layer
-from layers.registry import get_scope, validated
+from layers.prefill.case import PrefillCase
+from layers.registry import PHASES, get_scope, layer_of, prefill_layer, validated
 
 from launcher.config.fault_config import Fault
 from launcher.config.fault_config import check_unset as check_fault_unset
 from launcher.config.job_slot import JobSlot
 from launcher.config.overrides import foreign_case_key, override_keys
-from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer
+from launcher.config.replay import (SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer,
+                                    replayed_phase)
 from launcher.config.resolvers import tp_of
-from launcher.config.schema import layer_keys, with_layer
+from launcher.config.schema import layer_groups, layer_keys, with_layer
 from launcher.config.slurm import node_keys, slurm_step
 from launcher.config.tolerance import Tolerances, read_tolerances
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_IMPL = "layers.tp.TorchTP"
+DEFAULT_CP = 2  # the prefill CP size when `cp` is not given (the reference's default)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class RunSpec:
     """Everything a rank needs to run its part of one case, and how the launcher reports it
     (picklable, no OmegaConf)."""
 
-    case: Case | MoECase
+    case: Case | MoECase | PrefillCase
     impl: dict  # a Hydra instantiate spec: {"_target_": ..., **kwargs}
     backend: str
     timeout_s: float
@@ -98,7 +101,7 @@ class RunSpec:
     @property
     def layer(self) -> Layer:
         """The layer (or focused scope) the case runs, this process's own instance."""
-        return get_scope(self.case.layer, self.case.scope)
+        return layer_of(self.case)
 
     @property
     def world(self) -> int:
@@ -159,7 +162,16 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     model = ModelConfig(**model_fields)
     layer_name, scope = str(cfg.layer.name), str(cfg.scope)
     get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
-    case = _moe_case(cfg, model, scope) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
+    if cfg.phase not in PHASES:
+        raise ConfigError(f"phase={cfg.phase!r} must be one of {', '.join(PHASES)}")
+    if cfg.phase == "prefill":
+        case = _prefill_case(cfg, model, layer_name, scope)
+    else:
+        prefill_keys = [k for k in ("cp", "segment_lens") if cfg[k] is not None] + (["prefix"] if cfg.prefix else [])
+        if prefill_keys:
+            raise ConfigError(f"{prefill_keys[0]}={cfg[prefill_keys[0]]} is a key of phase=prefill; leave it out "
+                              f"of a decode run")
+        case = _moe_case(cfg, model, scope) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
     group = case.group_size
     dp = int(cfg.dp)
     if dp < 1:
@@ -235,6 +247,27 @@ def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str)
                 start_pos=_start_pos(cfg.start_pos), scope=scope)
 
 
+def _prefill_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> PrefillCase:
+    """The case of a context-parallel prefill (layers/prefill): CP keys; the decode TP and MoE
+    keys are refused."""
+    prefill_layer(layer)  # a layer without a prefill stage list is a ConfigError here
+    group = layer_groups()[layer]["keys"]
+    decode_keys = [k for k, default in group.items() if cfg[k] != default]
+    if decode_keys:
+        raise ConfigError(f"{decode_keys[0]}={cfg[decode_keys[0]]} is a key of phase=decode; phase=prefill takes "
+                          f"cp, cp_layout, prefix and segment_lens")
+    if scope != "full":
+        raise ConfigError(f"phase=prefill runs scope=full, not scope={scope}")
+    lens = cfg.segment_lens
+    if lens is not None and not isinstance(lens, (int, Sequence, ListConfig)):
+        raise ConfigError(f"segment_lens={lens} must be a list of 2*cp lengths (or one length for every segment)")
+    cp = int(cfg.cp) if cfg.cp is not None else DEFAULT_CP
+    if isinstance(lens, int):
+        lens = [lens] * (2 * cp)
+    return PrefillCase(layer=layer, model=model, cp=cp, seed=int(cfg.seed), cp_layout=str(cfg.cp_layout),
+                       prefix=int(cfg.prefix), segment_lens=None if lens is None else tuple(int(n) for n in lens))
+
+
 def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
     """The case of the MoE layer from its keys (`layers.contract.case.EPKeys`): its group is the
     EP group with 128 tokens per rank. The routing keys do not apply under scope=collectives (its
@@ -271,11 +304,14 @@ def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str]
         facts = describe_snapshot(_path(cfg.golden_data))
         # The snapshot's layer decides which keys the case takes (tp or ep): read it first.
         layer = replayed_layer(str(cfg.layer.name), facts, given)
+        phase = replayed_phase(str(cfg.phase), facts, given)
         if layer != cfg.layer.name:  # the snapshot's layer's keys, not the config's layer's
             refusal = foreign_case_key(list(overrides or ()), layer_keys(), layer)
             if refusal is not None:
                 raise ConfigError(f"{refusal} (the layer of golden_data)")
             cfg = with_layer(cfg, layer)
+        if phase != cfg.phase:
+            cfg = OmegaConf.merge(cfg, {"phase": phase})
     spec = run_spec(cfg, output_dir)
     if facts is not None:
         case, read = replayed_case(spec.case, facts, given, _default_local_t)

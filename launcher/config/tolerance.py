@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from layers.contract.case import Case, MoECase
 from layers.contract.checks import Check, tolerance_params
 from layers.contract.config import TINY, ConfigError
-from layers.registry import ATTENTION, LAYERS, SCOPES, get_scope
+from layers.registry import ATTENTION, LAYERS, SCOPES, get_scope, layer_of
 
 from launcher.config.overrides import names
 from launcher.config.verdict_words import DIAGNOSTIC
@@ -134,7 +134,7 @@ def read_tolerances(node: DictConfig | dict | None, case: Case | MoECase, explic
     tree = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
     explicit = frozenset(k for k in explicit if k.startswith("tolerance."))  # not `tolerance=<profile>`
     profile = tree.get(PROFILE)
-    checks = {c.output: c for c in get_scope(case.layer, case.scope).checks(case)}
+    checks = {c.output: c for c in layer_of(case).checks(case)}
     chosen: dict[tuple[str, str], tuple[tuple, Any]] = {}
     not_applied = set()
     for layer, multi, tensor, param, value, named in _entries(tree, explicit):

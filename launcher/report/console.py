@@ -48,8 +48,8 @@ def table_lines(rows: list[list[str]]) -> list[str]:
 
 # The keys that define a case, in the order every report shows them: the attention layers' tp /
 # local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing.
-CASE_KEYS = ("layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
-             "seed", "start_pos", "backend", "impl")
+CASE_KEYS = ("layer", "phase", "scope", "model", "tp", "ep", "cp", "cp_layout", "prefix", "segment_lens", "dp",
+             "local_t", "layer_id", "num_tokens", "balanced_routing", "seed", "start_pos", "backend", "impl")
 
 
 def seed_text(seed) -> object:

@@ -2,7 +2,9 @@
 
 `in/` holds every pure input, every in-out tensor's value before the step and every scalar as a
 0-dim tensor (`local_t`); `out/` holds every output after the step (x_out and every mutated
-cache/state). Tensors carry a leading rank axis of size tp, except 0-dim scalars; the sharded O
+cache/state). Tensors carry a leading rank axis of size tp, except 0-dim scalars (and a tensor
+whose spec says `replicated`, which a file may hold once); a spec's `stored` shape is the
+rank's layout in the files where it differs from the one the layer computes in; the sharded O
 weights are stacked shards (`wo_a[tp, G/tp, OL, GI]`, `wo_b[tp, D, (G/tp)*OL]`). We add a
 `manifest.json` the reference ignores; its sha256 per file is verified on replay, and the
 manifest itself carries `manifest_sha256`, the digest of the rest of its content: a manifest
@@ -172,7 +174,9 @@ def check(directory: str, specs: dict[str, TensorSpec], tp: int) -> None:
             load_scalar(path, spec.dtype)
             continue
         t = load(path)
-        want = (tp, *spec.shape)
+        want = (tp, *spec.stored_shape)
+        if spec.replicated and tuple(t.shape) == spec.stored_shape:
+            want = spec.stored_shape  # held once, as every rank holds it
         if tuple(t.shape) != want or t.dtype != spec.dtype:
             raise ConfigError(
                 f"{path}: shape {tuple(t.shape)} dtype {t.dtype}, expected shape {want} dtype {spec.dtype} "
@@ -222,8 +226,11 @@ def load_rank(directory: str, sub: str, names, rank: int, specs: dict[str, Tenso
     """Rank `rank`'s slice of each named tensor of `in/` or `out/` (only that slice is read)."""
     out = {}
     for name in names:
-        t = load(path_of(directory, sub, name))
-        out[name] = t.clone() if _is_scalar(specs[name]) else t[rank].clone()
+        t, spec = load(path_of(directory, sub, name)), specs[name]
+        if _is_scalar(spec) or (spec.replicated and tuple(t.shape) == spec.stored_shape):
+            out[name] = t.clone()
+        else:
+            out[name] = t[rank].reshape(spec.shape).clone()
     return out
 
 
@@ -333,8 +340,9 @@ def save(directory: str, case: Case, specs: dict[str, TensorSpec], inputs: dict,
         hashes = {}
         for sub, name, spec in _files(specs):
             t = (inputs if sub == "in" else outputs)[name]
-            # Scalars are shared by the ranks and stored once, as a 0-dim tensor.
-            torch.save((t[0] if _is_scalar(spec) else t).contiguous(), path_of(building, sub, name))
+            # Scalars and replicated tensors are stored once (every rank holds them alike).
+            stored = t[0] if _is_scalar(spec) or spec.replicated else t.reshape(t.shape[0], *spec.stored_shape)
+            torch.save(stored.contiguous(), path_of(building, sub, name))
             hashes[f"{sub}/{name}.pt"] = sha256(path_of(building, sub, name))
         with open(os.path.join(building, MANIFEST), "w") as f:
             json.dump(sealed(_manifest(case, starts, hashes)), f, indent=1)

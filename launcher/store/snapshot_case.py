@@ -120,6 +120,8 @@ def describe(directory: str) -> SnapshotFacts:
     names = {key.split("/", 1)[1] for key in entries}
     manifest = snapshot.read_manifest(directory) or {}
     manifest_path = os.path.join(directory, snapshot.MANIFEST)
+    if all(f"in/{n}" in entries for n in PREFILL_MARKS):
+        return _describe_prefill(directory, entries, manifest, manifest_path)
     kind = kind_of(names)
     facts: dict = {}
     if "layer" in manifest:
@@ -159,6 +161,58 @@ def describe(directory: str) -> SnapshotFacts:
         starts = _starts(positions, entries.get("in/kv_seq_lens"), (model or PRESETS["flash"]).decode_seq)
         facts["starts"] = Fact(starts, positions.path)
     return SnapshotFacts(directory=directory, model=model, model_fields=model_fields, **facts)
+
+
+# A CP prefill snapshot (layers/prefill; the reference's prefill_cp_swa.py layout) holds these.
+PREFILL_MARKS = ("reverse_index", "overlay_active_lengths")
+# The model dims a CP prefill snapshot's shapes fix: (field, file, axis).
+PREFILL_FIELDS = (
+    ("hidden_size", "in/x_hc", -1), ("hc_mult", "in/x_hc", -2), ("num_attention_heads", "in/attn_sink", 0),
+    ("head_dim", "in/kv_cache", -1), ("q_lora_rank", "in/wq_a", -1), ("o_lora_rank", "in/wo_a", -2),
+    ("o_groups", "in/wo_a", 0), ("qk_rope_head_dim", "in/freqs_cos", -1),
+    ("max_position_embeddings", "in/freqs_cos", 0), ("sliding_window", "in/final_slot_mapping", 0),
+)
+
+
+def _describe_prefill(directory: str, entries: dict[str, Entry], manifest: dict, manifest_path: str) -> SnapshotFacts:
+    """A CP prefill snapshot's case: phase and cp from its files (cp: x_hc's leading axis), the
+    segments from segment_starts_t and overlay_active_lengths; layout, seed and model from our
+    manifest where it has them, else zigzag (the reference's), no seed, and the preset whose
+    dims the shapes fix."""
+    mark = entries["in/reverse_index"]
+    x_hc = entries["in/x_hc"]
+    facts: dict = {"layer": Fact(manifest.get("layer", "swa"), manifest_path if "layer" in manifest else x_hc.path,
+                                 "" if "layer" in manifest else "the tensors it holds"),
+                   "phase": Fact("prefill", mark.path, "the tensors it holds"),
+                   "cp": Fact(x_hc.shape[0], x_hc.path, "its leading axis")}
+    starts_entry, active_entry = entries["in/segment_starts_t"], entries["in/overlay_active_lengths"]
+    starts = snapshot.load(starts_entry.path).tolist()
+    facts["prefix"] = Fact(int(starts[0]), starts_entry.path, "its first start")
+    active = snapshot.load(active_entry.path)[..., 1].sum(dim=-1)  # [cp, 2]: each part's segment length
+    if "cp_layout" in manifest:
+        facts["cp_layout"] = Fact(manifest["cp_layout"], manifest_path)
+    lens = _prefill_lengths(snapshot.load(entries["in/reverse_index"].path).tolist(), active)
+    facts["segment_lens"] = Fact(tuple(lens), active_entry.path, "its active rows per segment")
+    if manifest.get("seed") is not None:
+        facts["seed"] = Fact(int(manifest["seed"]), manifest_path)
+    if "model_fields" in manifest:
+        model = _manifest_model(manifest["model_fields"], manifest_path)
+        fields = {n: Fact(v, manifest_path) for n, v in model.fields().items() if n != "name"}
+    else:
+        fields = {n: Fact(entries[f].shape[a], entries[f].path, f"shape {entries[f].shape}")
+                  for n, f, a in PREFILL_FIELDS if f in entries}
+        dims = {n: f.value for n, f in fields.items()}
+        model = next((p for p in PRESETS.values() if all(getattr(p, n) == v for n, v in dims.items())), None)
+        if model is None:
+            base = max(PRESETS.values(), key=lambda p: sum(getattr(p, n) == v for n, v in dims.items()))
+            model = base.replace(name="snapshot", **dims)
+    return SnapshotFacts(directory=directory, model=model, model_fields=fields, **facts)
+
+
+def _prefill_lengths(reverse_index: list[int], active: torch.Tensor) -> list[int]:
+    """Each logical segment's length: segment s sits at rank-major block reverse_index[s]
+    (rank = block // 2, part = block % 2)."""
+    return [int(active[b // 2, b % 2]) for b in reverse_index]
 
 
 def _moe_scalars(entries: dict[str, Entry]) -> dict[str, Fact]:

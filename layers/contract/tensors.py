@@ -35,6 +35,15 @@ class TensorSpec:
     shape: tuple[int, ...]  # one rank's shape (no leading rank axis)
     dtype: torch.dtype
     kind: Kind
+    # A snapshot's layout where it differs (the reference's CP prefill files): the rank's shape
+    # there (same elements, same order), and whether a file may hold it once, without the rank
+    # axis, for a tensor every rank holds alike.
+    stored: tuple[int, ...] | None = None
+    replicated: bool = False
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return self.shape if self.stored is None else self.stored
 
 
 def front_tensor_specs(model: ModelConfig, local_t: int) -> dict[str, TensorSpec]:

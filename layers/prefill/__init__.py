@@ -1,0 +1,1 @@
+"""Context-parallel (CP) prefill of the attention layers (docs/prefill.md)."""

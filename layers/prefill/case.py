@@ -1,0 +1,136 @@
+"""One validated CP prefill step: model, CP size, layout, prompt history and segment lengths.
+
+The prompt is cut into `2·cp` logical segments (docs/prefill.md §1). Every rank owns two of
+them (`tables.owner_segments`); a segment holds at most `MAX_SEGMENT_TILES` tiles of
+`window` rows. `prefix` rows of history sit in the paged KV cache before the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..contract.case import group_seed
+from ..contract.config import ConfigError, ModelConfig
+
+LAYOUTS = ("zigzag", "contiguous")
+# Query tiles per segment (the reference's MAX_SEGMENT_TILES): a segment is 1..2 windows long.
+MAX_SEGMENT_TILES = 2
+# The reference's prefill deployment point: 128-row pages, 128 pages of raw KV per rank.
+PREFILL_BLOCK_ROWS = 128
+PREFILL_ORI_BLOCKS = 128
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    layer: str
+    model: ModelConfig
+    cp: int
+    seed: int | None
+    cp_layout: str = "zigzag"
+    prefix: int = 0
+    # One length per logical segment; None: every segment one window long (the reference's).
+    segment_lens: tuple[int, ...] | None = None
+    scope: str = "full"
+    phase = "prefill"  # not a field: what the registry looks the layer up by
+
+    @property
+    def local_t(self) -> int:
+        """Rows of one rank's layout: two parts of MAX_SEGMENT_TILES query tiles (some inactive)."""
+        return 2 * MAX_SEGMENT_TILES * self.window
+
+    @property
+    def seq(self) -> int:
+        """Tokens come one per row (an output fault corrupts one row)."""
+        return 1
+
+    def describe(self) -> dict:
+        """The keys that define the step beside the model (result.json's case, manifests)."""
+        return {"layer": self.layer, "phase": self.phase, "scope": self.scope, "cp": self.cp,
+                "cp_layout": self.cp_layout, "prefix": self.prefix, "segment_lens": list(self.lengths),
+                "seed": self.seed}
+
+    def of_group(self, group: int) -> "PrefillCase":
+        """The case of CP group `group` of a launch of several: its own prompt and weights."""
+        return self if group == 0 else dataclasses.replace(self, seed=group_seed(self.seed, group))
+
+    @property
+    def group_size(self) -> int:
+        """Ranks of the CP group (what a RankContext calls its group's size)."""
+        return self.cp
+
+    @property
+    def window(self) -> int:
+        return self.model.sliding_window
+
+    @property
+    def num_segments(self) -> int:
+        return 2 * self.cp
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self.segment_lens if self.segment_lens is not None else (self.window,) * self.num_segments
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Global position of each segment's first token (history first, then segments in order)."""
+        out, pos = [], self.prefix
+        for n in self.lengths:
+            out.append(pos)
+            pos += n
+        return tuple(out)
+
+    @property
+    def total(self) -> int:
+        """Tokens of the step (the prompt after its history)."""
+        return sum(self.lengths)
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows of the raw-KV ring (position p lives in row p mod cache_rows)."""
+        return PREFILL_ORI_BLOCKS * PREFILL_BLOCK_ROWS
+
+    @property
+    def canonical(self) -> bool:
+        """The one case the reference kernels run: zigzag, no history, segments of one window."""
+        return self.cp_layout == "zigzag" and self.prefix == 0 and self.lengths == (self.window,) * self.num_segments
+
+    def validate(self) -> None:
+        w, lens = self.window, self.lengths
+        if self.layer != "swa":
+            raise ConfigError(f"phase=prefill runs layer=swa; layer={self.layer} has no prefill stage list yet")
+        if self.cp < 1:
+            raise ConfigError(f"cp={self.cp} must be >= 1")
+        if self.cp_layout not in LAYOUTS:
+            raise ConfigError(f"cp_layout={self.cp_layout!r} must be one of {', '.join(LAYOUTS)}")
+        if self.prefix < 0:
+            raise ConfigError(f"prefix={self.prefix} must be >= 0")
+        if len(lens) != self.num_segments:
+            raise ConfigError(f"segment_lens has {len(lens)} lengths; cp={self.cp} cuts the prompt into "
+                              f"2*cp = {self.num_segments} segments")
+        bad = [n for n in lens if not 1 <= n <= MAX_SEGMENT_TILES * w]
+        if bad:
+            raise ConfigError(f"segment_lens {list(lens)}: every length must be in [1, {MAX_SEGMENT_TILES * w}] "
+                              f"({MAX_SEGMENT_TILES} tiles of the {w}-row window)")
+        if self.prefix + self.total > self.model.max_position_embeddings:
+            raise ConfigError(f"prefix + prompt = {self.prefix + self.total} exceeds the RoPE table of "
+                              f"{self.model.max_position_embeddings} rows of model {self.model.name!r}")
+
+    def beyond_reference(self) -> list[str]:
+        """What about this case the reference kernels would refuse (said in the verdict)."""
+        notes = []
+        if self.cp_layout != "zigzag":
+            notes.append("the contiguous layout (the reference runs zigzag)")
+        if self.prefix:
+            notes.append(f"prefix={self.prefix} (the reference runs no history)")
+        if self.lengths != (self.window,) * self.num_segments:
+            notes.append("segment lengths other than one window")
+            if min(self.lengths) < self.window:
+                notes.append("a segment shorter than the window (the reference's tables drop the keys "
+                             "of every predecessor but the first)")
+        if self.cp not in (2, 4, 8):
+            notes.append(f"cp={self.cp} (the reference accepts 2, 4, 8)")
+        return notes
+
+
+__all__ = ["LAYOUTS", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]

@@ -1,0 +1,113 @@
+"""CP prefill end to end through the launcher: cases PASS, each CP-protocol defect FAILs naming
+the tensor and the rank, bad keys are refused before any rank starts, and the reference's own
+snapshot replays with golden_data alone (a perturbed copy FAILs)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from .. import defects
+
+
+@pytest.mark.parametrize("keys", [
+    dict(cp=2), dict(cp=4, cp_layout="contiguous"), dict(cp=1),
+    dict(cp=2, prefix=300, segment_lens="[128,40,30,200]"),
+], ids=lambda k: "-".join(f"{a}{b}" for a, b in k.items()))
+def test_prefill_passes(tp_run, keys):
+    run = tp_run(layer="swa", phase="prefill", model="tiny", **keys)
+    assert run.exit_code == 0, run
+    assert run.result["case"]["cp"] == keys["cp"]
+
+
+@pytest.mark.parametrize("impl, keys, tensor, ranks", [
+    (defects.PrefillMissingPredecessorTail, {}, "x_out", [1]),
+    (defects.PrefillLocalRopePositions, {}, "x_out", [0, 1]),
+    (defects.PrefillFinalWindowOnOwnerOnly, {}, "kv_cache", [1]),  # zigzag: rank 0 owns the last segment
+    (defects.PrefillDroppedKeys, {"segment_lens": "[128,40,30,128]"}, "x_out", [0, 1]),  # segments 2 and 3 reach back past their predecessor
+], ids=lambda x: getattr(x, "__name__", None))
+def test_prefill_defect_fails_naming_tensor_and_rank(tp_run, impl, keys, tensor, ranks):
+    run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=impl, **keys)
+    assert run.exit_code == 1, run
+    v = run.verdict(tensor)
+    assert not v["passed"], run
+    assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == ranks, run
+
+
+@pytest.mark.parametrize("impl, keys, stage, ranks", [
+    (defects.PrefillMissingPredecessorTail, {}, "tail_exchange", [1]),
+    (defects.PrefillLocalRopePositions, {}, "project", [0, 1]),
+    (defects.PrefillFinalWindowOnOwnerOnly, {}, "final_window_commit", [1]),
+    (defects.PrefillDroppedKeys, {"segment_lens": "[128,40,30,128]"}, "key_table", [0, 1]),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_bisect_names_the_defective_stage_and_ranks(tp_run, impl, keys, stage, ranks):
+    run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=impl, bisect=True, **keys)
+    assert run.exit_code == 1, run
+    located = run.result["bisect"]
+    assert (located["stage"], located["ranks"]) == (stage, ranks), run
+
+
+def test_dropped_keys_pass_when_every_segment_fills_the_window(tp_run):
+    run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=defects.PrefillDroppedKeys)
+    assert run.exit_code == 0, run
+
+
+@pytest.mark.parametrize("keys, words", [
+    (dict(phase="prefill", tp=2), "tp=2 is a key of phase=decode"),
+    (dict(phase="prefill", layer="csa"), "no prefill stage list"),
+    (dict(cp=2), "cp=2 is a key of phase=prefill"),
+    (dict(phase="prefill", segment_lens="[128,128]"), "2\\*cp = 4 segments"),
+    (dict(phase="warmup"), "phase='warmup'"),
+])
+def test_bad_prefill_keys_refused(tp_run, keys, words):
+    import re
+
+    run = tp_run(model="tiny", **{"layer": "swa", **keys})
+    assert run.exit_code != 0 and re.search(words, run.output), run
+
+
+# -- the reference's own CP SWA snapshot, replayed with golden_data alone -------------------------
+PEER = Path(__file__).resolve().parents[2] / "../shared/peer/prefill-swa-cp2-small"
+needs_peer = pytest.mark.skipif(not PEER.is_dir(), reason="no ../shared/peer (reference snapshots) in this clone")
+
+
+@needs_peer
+def test_reference_snapshot_replays_and_passes(tp_run):
+    run = tp_run(golden_data=str(PEER), recompute_golden=True)
+    assert run.exit_code == 0, run
+    assert run.result["case"]["cp"] == 2 and run.result["case"]["phase"] == "prefill"
+    assert {"phase", "cp", "segment_lens", "model"} <= set(run.result["snapshot"]["read"])
+
+
+@needs_peer
+@pytest.mark.parametrize("tensor, rank", [("x_out", 1), ("kv_cache", 0)])
+def test_perturbed_reference_snapshot_fails(tp_run, tmp_path, tensor, rank):
+    copy = tmp_path / "snap"
+    shutil.copytree(PEER, copy)
+    for p in copy.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    path = copy / "out" / f"{tensor}.pt"
+    t = torch.load(path, weights_only=True)
+    if tensor == "x_out":
+        t[rank, 0, 0, :64] *= 1.05
+    else:  # one row of the final window
+        final = torch.load(copy / "in" / "final_slot_mapping.pt", weights_only=True)
+        t[rank].view(-1, t.shape[-1])[int(final[7])] += 0.25
+    torch.save(t, path)
+    run = tp_run(golden_data=str(copy))
+    assert run.exit_code == 1, run
+    v = run.verdict(tensor)
+    assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == [rank], run
+
+
+def test_saved_prefill_snapshot_replays(tp_run, tmp_path):
+    saved = tmp_path / "saved"
+    first = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", prefix=40, segment_lens="[128,60,200,128]",
+                   save_data=str(saved))
+    assert first.exit_code == 0, first
+    replay = tp_run(golden_data=str(saved))
+    assert replay.exit_code == 0, replay
+    assert replay.result["case"]["segment_lens"] == [128, 60, 200, 128] and replay.result["case"]["prefix"] == 40

@@ -1,0 +1,26 @@
+"""Run a CP prefill group in one process: every rank's stages in lockstep, the tail exchange
+by its reference data movement (the real collective runs in tests/distributed)."""
+
+from __future__ import annotations
+
+import torch
+
+from layers.contract.context import RankContext
+from layers.prefill import layer, swa
+from layers.prefill.case import PrefillCase
+from layers.contract.staged import run_stages
+
+
+def run_group(case: PrefillCase, inputs: list[dict], stages=None) -> list[dict]:
+    stages = swa.stages() if stages is None else stages
+    values = [dict(t) for t in inputs]
+    for stage in stages:
+        ctxs = [RankContext(case=case, rank=r, device=torch.device("cpu")) for r in range(case.cp)]
+        if stage.reference is None:
+            for r, ctx in enumerate(ctxs):
+                values[r].update(stage.run(ctx, {n: values[r][n] for n in stage.reads}))
+        else:
+            every = {n: torch.stack([v[n] for v in values]) for n in stage.every_rank}
+            for r, ctx in enumerate(ctxs):
+                values[r].update(stage.reference(ctx, every))
+    return [{n: v[n] for n in layer.COMPARED} for v in values]
