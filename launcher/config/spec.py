@@ -33,7 +33,7 @@ from launcher.config.job_slot import JobSlot
 from launcher.config.overrides import foreign_case_key, override_keys
 from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer
 from launcher.config.resolvers import tp_of
-from launcher.config.schema import layer_keys, with_layer
+from launcher.config.schema import layer_groups, layer_keys, with_layer
 from launcher.config.slurm import node_keys, slurm_step
 from launcher.config.tolerance import Tolerances, read_tolerances
 
@@ -159,7 +159,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     model = ModelConfig(**model_fields)
     layer_name, scope = str(cfg.layer.name), str(cfg.scope)
     get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
-    case = _moe_case(cfg, model, scope) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
+    case = CASE_OF_KEYS[layer_groups()[layer_name]["key_set"]](cfg, model, layer_name, scope)
     group = case.group_size
     dp = int(cfg.dp)
     if dp < 1:
@@ -235,14 +235,14 @@ def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str)
                 start_pos=_start_pos(cfg.start_pos), scope=scope)
 
 
-def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
+def _moe_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> MoECase:
     """The case of the MoE layer from its keys (`layers.contract.case.EPKeys`): its group is the
     EP group with 128 tokens per rank. The routing keys do not apply under scope=collectives (its
     routes are its own closed-form draw)."""
     routing = {"layer_id": cfg.layer_id, "balanced_routing": cfg.balanced_routing} if scope != "full" else {}
     for k, value in routing.items():
         if value:
-            raise ConfigError(f"{k}={value} does not apply to layer=moe scope={scope} (it routes by its own "
+            raise ConfigError(f"{k}={value} does not apply to layer={layer} scope={scope} (it routes by its own "
                               f"integer data): leave {k} out")
     ep = int(cfg.ep)
     if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
@@ -250,6 +250,10 @@ def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
     return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id),
                    num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
                    balanced_routing=bool(cfg.balanced_routing), scope=scope)
+
+
+# The case a layer's config group makes, by the case-key set it names (`layers.contract.case.CASE_KEYS`).
+CASE_OF_KEYS = {"tp": _attention_case, "ep": _moe_case}
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,
