@@ -171,7 +171,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
         if prefill_keys:
             raise ConfigError(f"{prefill_keys[0]}={cfg[prefill_keys[0]]} is a key of phase=prefill; leave it out "
                               f"of a decode run")
-        case = _moe_case(cfg, model, scope) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
+        case = CASE_OF_KEYS[layer_groups()[layer_name]["key_set"]](cfg, model, layer_name, scope)
     group = case.group_size
     dp = int(cfg.dp)
     if dp < 1:
@@ -268,14 +268,14 @@ def _prefill_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -
                        prefix=int(cfg.prefix), segment_lens=None if lens is None else tuple(int(n) for n in lens))
 
 
-def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
+def _moe_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> MoECase:
     """The case of the MoE layer from its keys (`layers.contract.case.EPKeys`): its group is the
     EP group with 128 tokens per rank. The routing keys do not apply under scope=collectives (its
     routes are its own closed-form draw)."""
     routing = {"layer_id": cfg.layer_id, "balanced_routing": cfg.balanced_routing} if scope != "full" else {}
     for k, value in routing.items():
         if value:
-            raise ConfigError(f"{k}={value} does not apply to layer=moe scope={scope} (it routes by its own "
+            raise ConfigError(f"{k}={value} does not apply to layer={layer} scope={scope} (it routes by its own "
                               f"integer data): leave {k} out")
     ep = int(cfg.ep)
     if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
@@ -283,6 +283,10 @@ def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
     return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id),
                    num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
                    balanced_routing=bool(cfg.balanced_routing), scope=scope)
+
+
+# The case a layer's config group makes, by the case-key set it names (`layers.contract.case.CASE_KEYS`).
+CASE_OF_KEYS = {"tp": _attention_case, "ep": _moe_case}
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,

@@ -237,7 +237,7 @@ def _unmatched(j: Job) -> dict:
 def _case_text(case: dict) -> str:
     if not case:
         return "-"
-    size = f"ep={case.get('ep')}" if case.get("layer") == "moe" else f"tp={case.get('tp')} local_t={case.get('local_t')}"
+    size = f"ep={case['ep']}" if case.get("ep") is not None else f"tp={case.get('tp')} local_t={case.get('local_t')}"
     dp = f" dp={case['dp']}" if (case.get("dp") or 1) > 1 else ""
     starts = "" if case.get("start_pos") is None else f" start_pos={case['start_pos']}"
     scope = "" if case.get("scope") in (None, "full") else f" scope={case['scope']}"
