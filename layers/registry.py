@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import functools
 
-from . import csa, hca, moe, swa
+from . import block, csa, hca, moe, swa
 from .moe_collectives import MoECollectivesScope
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.layer import Layer
 from .scopes import CollectivesScope, OutputScope, TP1Scope
 
-LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER, moe.LAYER)}
+LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER, moe.LAYER, block.LAYER)}
 # The layers the focused scopes cut into: the attention layers (their TP output half).
 ATTENTION = ("swa", "csa", "hca")
 SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, "tp1": TP1Scope}
@@ -57,7 +57,7 @@ def validated(case: Case) -> Layer:
     layer = get_scope(case.layer, case.scope)
     if isinstance(case, Case):
         case.validate(layer.whole_requests)
-    else:  # the MoE case: its EP rules
+    else:  # the MoE and block cases: their EP rules
         case.validate()
     layer.validate(case)
     return layer

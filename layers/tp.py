@@ -17,6 +17,7 @@ import torch
 
 from .contract.context import RankContext
 from .contract.stage import Stage, Values
+from .block import BlockLayer
 from .registry import get_scope
 from .staged import StagedLayer
 
@@ -30,7 +31,7 @@ class TorchTP:
 
     def __call__(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         scope = get_scope(ctx.case.layer, ctx.case.scope)
-        if isinstance(scope, StagedLayer):
+        if isinstance(scope, (StagedLayer, BlockLayer)):  # the block hands run_stage to its halves
             return scope.forward(ctx, tensors, run_stage=self.run_stage)
         return scope.forward(ctx, tensors)
 

@@ -62,6 +62,7 @@ class RunSchema:
     model: ModelSchema = MISSING  # typed here: a model YAML of one's own is checked without naming a schema
     tp: Optional[int] = None  # attention layers; null = 4
     ep: Optional[int] = None  # the MoE layer; null = 2
+    attention: Optional[str] = None  # layer=block: swa | csa | hca (or by layer_id)
     dp: int = 1
     layer_id: Optional[int] = None  # MoE case keys (null: layer 0, every token active, random routing)
     num_tokens: Optional[int] = None

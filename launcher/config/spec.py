@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from layers.block.case import BlockCase, default_local_t, resolve_attention
 from layers.contract.case import Case, MoECase
 from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
 from layers.contract.layer import Layer
@@ -160,7 +161,12 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     model = ModelConfig(**model_fields)
     layer_name, scope = str(cfg.layer.name), str(cfg.scope)
     get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
-    case = _moe_case(cfg, model, scope) if layer_name == "moe" else _attention_case(cfg, model, layer_name, scope)
+    if layer_name == "moe":
+        case = _moe_case(cfg, model, scope)
+    elif layer_name == "block":
+        case = _block_case(cfg, model)
+    else:
+        case = _attention_case(cfg, model, layer_name, scope)
     group = case.group_size
     dp = int(cfg.dp)
     if dp < 1:
@@ -223,7 +229,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
 
 
 def _size_key(case) -> str:
-    return "ep" if isinstance(case, MoECase) else "tp"
+    return "ep" if isinstance(case, (MoECase, BlockCase)) else "tp"
 
 
 def _given(cfg: DictConfig, keys: tuple[str, ...]) -> list[str]:
@@ -232,6 +238,8 @@ def _given(cfg: DictConfig, keys: tuple[str, ...]) -> list[str]:
 
 def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> Case:
     """The case of an attention layer (swa, csa, hca): TP keys; the MoE keys are refused."""
+    if cfg.attention is not None:
+        raise ConfigError(f"attention={cfg.attention} is a key of layer=block; layer={layer} is the attention")
     moe_keys = _given(cfg, ("ep", "layer_id", "num_tokens", "balanced_routing"))
     if moe_keys:
         raise ConfigError(f"{moe_keys[0]}={cfg[moe_keys[0]]} is a key of layer=moe; layer={layer} takes tp, "
@@ -248,7 +256,7 @@ def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
     """The case of the MoE layer: its group is the EP group (`ep`, default 2) with 128 tokens
     per rank; the attention layers' keys do not apply and are refused, nor do the routing keys
     under scope=collectives (its routes are its own closed-form draw)."""
-    attention_keys = _given(cfg, ("tp", "local_t", "start_pos"))
+    attention_keys = _given(cfg, ("tp", "local_t", "start_pos", "attention"))
     if attention_keys:
         k = attention_keys[0]
         raise ConfigError(f"{k}={cfg[k]} does not apply to layer=moe (its group is ep=P ranks of 128 tokens "
@@ -264,6 +272,30 @@ def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
     return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id or 0),
                    num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
                    balanced_routing=bool(cfg.balanced_routing), scope=scope)
+
+
+def _block_case(cfg: DictConfig, model: ModelConfig) -> BlockCase:
+    """The case of the decoder layer: the world is `ep` ranks (default 2), attention in TP
+    groups of `tp` (default 1: data-parallel attention), the kind named by `attention` or by
+    `layer_id`'s place in the layer schedule."""
+    refused = _given(cfg, ("num_tokens", "balanced_routing", "start_pos"))
+    if refused:
+        k = refused[0]
+        raise ConfigError(f"{k}={cfg[k]} does not apply to layer=block (its MoE tokens are the attention's "
+                          f"local_t rows, at the attention's canonical starts): leave {k} out")
+    if int(cfg.dp) != 1:
+        raise ConfigError(f"dp={cfg.dp}: layer=block's world is ep ranks, already split into ep/tp attention groups; "
+                          "leave dp out")
+    attention, layer_id = resolve_attention(None if cfg.attention is None else str(cfg.attention),
+                                            None if cfg.layer_id is None else int(cfg.layer_id))
+    tp = int(cfg.tp) if cfg.tp is not None else 1
+    ep = int(cfg.ep) if cfg.ep is not None else DEFAULT_EP
+    if tp < 1 or not 1 <= ep <= MOE_MAX_EP or ep % tp:  # first: the world size depends on them
+        raise ConfigError(f"tp={tp}, ep={ep}: layer=block needs ep in [1, {MOE_MAX_EP}] and tp >= 1 dividing it "
+                          "(ep/tp attention TP groups)")
+    local_t = int(cfg.local_t) if cfg.local_t is not None else default_local_t(model, tp)
+    return BlockCase(model=model, attention=attention, tp=tp, ep=ep, local_t=local_t, seed=int(cfg.seed),
+                     layer_id=layer_id)
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,
