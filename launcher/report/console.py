@@ -46,8 +46,9 @@ def table_lines(rows: list[list[str]]) -> list[str]:
 
 
 # The keys that define a case, in the order every report shows them: the attention layers' tp /
-# local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing.
-CASE_KEYS = ("layer", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
+# local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing, the
+# block's attention kind.
+CASE_KEYS = ("layer", "attention", "scope", "model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing",
              "seed", "start_pos", "backend", "impl")
 
 
@@ -62,6 +63,14 @@ def case_items(c: dict) -> list[tuple[str, object]]:
     several groups."""
     return [(k, seed_text(c[k]) if k == "seed" else c[k]) for k in CASE_KEYS
             if k in c and not (k == "dp" and c[k] in (None, 1))]
+
+
+def case_label(c: dict, *between: str) -> str:
+    """The case's layer, the words `between`, then its group sizes, from its `describe()`:
+    `swa tiny tp=4 local_t=128`, `moe tiny ep=2`, `block csa tiny tp=2 ep=4 local_t=64`."""
+    layer = f"{c['layer']} {c['attention']}" if c.get("attention") else c["layer"]
+    sizes = [f"{k}={c[k]}" for k in ("tp", "ep", "local_t") if c.get(k) is not None]
+    return " ".join([layer, *between, *sizes])
 
 
 def group_text(c: dict) -> str:
@@ -93,7 +102,8 @@ def case_columns(rows: list[dict]) -> list[str]:
     moe = any(r.get("ep") is not None for r in rows)
     attention = not moe or any(r.get("tp") is not None for r in rows)
     grouped = any((r.get("dp") or 1) > 1 for r in rows)
-    return [*(["tp"] if attention else []), *(["ep"] if moe else []), *(["dp"] if grouped else []),
+    block = any(r.get("attention") is not None for r in rows)
+    return [*(["attention"] if block else []), *(["tp"] if attention else []), *(["ep"] if moe else []), *(["dp"] if grouped else []),
             *(["local_t"] if attention else []), *(["layer_id", "num_tokens", "balanced_routing"] if moe else []),
             *(["start_pos"] if attention else [])]
 
