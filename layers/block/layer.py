@@ -1,13 +1,14 @@
 """The decoder layer `layer=block`: an attention layer in TP groups, then the MoE over the world.
 
-One rank's step walks three stage lists: its attention layer's own stages on its TP group's
-context (`attention_context`), the hand-off (`HAND_OFF`: the rank's attention output rows
-become its first MoE tokens), then the MoE layer's own stages on the world's context. Each
-half is reached through the registry (`layers.registry.get_layer`) and its `StagedLayer`
-API, so both keep one copy of their math; a `run_stage` passed in (`layers.tp.TorchTP`)
-sees every stage of either half with that half's context (`ctx.case.layer` names the half).
+One rank's step walks one stage list (`layers.block.stages`): its attention layer's own stages
+on its TP group's context, the hand-off (the rank's attention output rows become its first MoE
+tokens), then the MoE layer's own stages on the world's context. Each half is reached through
+the registry (`layers.registry.get_layer`) and its `StagedLayer` API, so both keep one copy of
+their math; a `run_stage` passed in (`layers.tp.TorchTP`) sees every stage of either half with
+that half's context (`ctx.case.layer` names the half).
 
-The golden composes the halves' goldens the same way: per rank the attention golden of its
+Bisect and the stage benchmark walk the same list (`layers.block.stages`), each stage named
+by its half. The golden composes the halves' goldens the same way: per rank the attention golden of its
 TP group's case (the single-device layer with the group's full O weights, as an attention
 launch computes it), the hand-off, then the MoE golden the world computes together.
 
@@ -17,7 +18,6 @@ Compared: the MoE's `x_next` of every rank (the reference decode_layer's reldiff
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -28,47 +28,12 @@ from ..contract.context import RankContext
 from ..contract.layer import Layer
 from ..contract.stage import Stage, Values
 from ..contract.tensors import Kind, TensorSpec
-from ..staged import RunStage, StagedLayer, default_run_stage, exact, judged, run_stages
+from ..staged import RunStage, default_run_stage, run_stages
 from .case import BlockCase
+from .stages import ATTENTION_OUTPUT, MOE_RESIDUAL, block_stages, half, hand_off, moe_context
 from .tp_groups import attention_group
 
-# The MoE fixture's own x_hc, renamed: the block's x_hc is the attention's input. Its rows
-# past local_t pad the rank's MoE tokens (inactive: never routed).
-MOE_RESIDUAL = "ffn_x_hc"
-ATTENTION_OUTPUT = "x_out"
 X_NEXT = RelDiffCheck("x_next", diff_thd=0.01, pct_thd=0.05, max_diff_hd=float("inf"))
-
-
-def half(name: str) -> StagedLayer:
-    """A half of the block by its registry name (imported here: the registry lists the block)."""
-    from ..registry import get_layer
-
-    layer = get_layer(name)
-    assert isinstance(layer, StagedLayer), name
-    return layer
-
-
-def hand_off(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
-    """The rank's local_t attention rows, as the reduce-scatter and hc_post left them, as its
-    first MoE tokens; the MoE fixture's rows after them are the padding."""
-    x_hc = v[MOE_RESIDUAL].clone()
-    x_hc[: v[ATTENTION_OUTPUT].shape[0]] = v[ATTENTION_OUTPUT]
-    return {"x_hc": x_hc}
-
-
-HAND_OFF = Stage("hand_off", (ATTENTION_OUTPUT, MOE_RESIDUAL), (judged(exact("x_hc")),), hand_off)
-
-
-def attention_context(ctx: RankContext, group) -> RankContext:
-    """Rank `ctx.rank` of the world as a rank of its attention TP group `group`."""
-    case: BlockCase = ctx.case
-    g = case.tp_group_of(ctx.rank)
-    return RankContext(case=case.attention_case(g), rank=ctx.rank % case.tp, device=ctx.device, group=group,
-                       observe=ctx.observe, global_rank=ctx.rank, group_index=g)
-
-
-def moe_context(ctx: RankContext) -> RankContext:
-    return dataclasses.replace(ctx, case=ctx.case.moe_case())
 
 
 class BlockLayer(Layer):
@@ -133,19 +98,17 @@ class BlockLayer(Layer):
         x_next = half("moe").golden_of_group(moe_context(ctx), {**moe_in, **handed})["x_next"]
         return self._outputs(case, attention_out, x_next)
 
+    def case_stages(self, case: BlockCase) -> tuple[Stage, ...]:
+        """The block's stage list (`layers.stages.layer_stages` of a block case)."""
+        return block_stages(case)
+
     def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor],
                 run_stage: RunStage = default_run_stage) -> dict[str, torch.Tensor]:
         """The attention stages on the rank's TP group, the hand-off, the MoE stages on the world."""
         case: BlockCase = ctx.case
-        attention_in, moe_in = self._split(case, tensors)
         with attention_group(ctx) as group:
-            actx = attention_context(ctx, group)
-            attention_values = run_stages(half(case.attention).stages(case.model), actx, attention_in, run_stage)
-        handed = run_stages((HAND_OFF,), ctx, {ATTENTION_OUTPUT: attention_values[ATTENTION_OUTPUT],
-                                               MOE_RESIDUAL: tensors[MOE_RESIDUAL]}, run_stage)
-        moe_values = run_stages(half("moe").stages(case.model), moe_context(ctx), {**moe_in, "x_hc": handed["x_hc"]},
-                                run_stage)
-        return self._outputs(case, attention_values, moe_values["x_next"])
+            values = run_stages(block_stages(case, run_stage, group), ctx, tensors)
+        return {n: values[n] for n in self.compared_names(case)}
 
     def checks(self, case: BlockCase) -> tuple[Check, ...]:
         """The attention's cache checks (its x_out is the MoE's input, not an output), then x_next."""
@@ -155,4 +118,4 @@ class BlockLayer(Layer):
 
 LAYER = BlockLayer()
 
-__all__ = ["BlockLayer", "LAYER", "HAND_OFF", "MOE_RESIDUAL", "attention_context", "hand_off", "half"]
+__all__ = ["BlockLayer", "LAYER"]

@@ -52,3 +52,19 @@ def test_hand_off_defects_fail_naming_x_next_and_the_ranks(tp_run, impl):
 def test_bad_block_keys_are_refused(tp_run, overrides, message):
     run = tp_run(layer="block", model="tiny", overrides=overrides)
     assert run.exit_code == 2 and message in run.report, run
+
+
+@pytest.mark.parametrize("impl, stage", [
+    (defects.BlockRowsReordered, "hand_off"),
+    (defects.BlockRowsOfAnotherGroup, "hand_off"),
+    (defects.BlockResidualBeforeAttention, "moe.hc_post"),
+    (defects.BlockDispatchesPaddedRows, "moe.dispatch"),
+])
+def test_bisect_names_the_half_and_stage_of_each_hand_off_defect(tp_run, impl, stage):
+    run = tp_run(layer="block", attention="swa", tp=2, ep=4, model="tiny", impl=impl, bisect=True)
+    assert run.exit_code == 1, run
+    report = run.result["bisect"]
+    assert (report["stage"], report["ranks"]) == (stage, [0, 1, 2, 3]), report
+    stages = [row["stage"] for row in report["stages"]]
+    assert stages[0] == "swa.hc_pre" and "swa.reduce_scatter" in stages and stages[-2] == "moe.hc_post"
+    assert all(row["passed"] for row in report["stages"][: stages.index(stage)])

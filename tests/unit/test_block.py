@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_module
 import launcher.cli  # noqa: F401  (registers the schemas)
 from launcher.config.spec import run_spec
 from layers.block.case import BlockCase, attention_of_layer, resolve_attention
-from layers.block.layer import HAND_OFF, MOE_RESIDUAL
+from layers.block.stages import HAND_OFF, MOE_RESIDUAL
 from layers.contract.config import TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.registry import get_layer, validated
@@ -175,3 +175,11 @@ def test_two_tp_groups_of_two_agree_with_the_golden():
         out, golden = rank_out["x_next"]
         assert torch.allclose(out, golden, rtol=1e-2, atol=1e-3)
         assert torch.equal(*rank_out["kv_cache"])
+
+
+def test_the_stage_list_names_each_half():
+    from layers.stages import layer_stages
+
+    names = [s.name for s in layer_stages(_case("hca", tp=2, ep=4))]
+    attention, moe = get_layer("hca").stages(TINY), get_layer("moe").stages(TINY)
+    assert names == [f"hca.{s.name}" for s in attention] + ["hand_off"] + [f"moe.{s.name}" for s in moe]
