@@ -283,6 +283,11 @@ def _block_case(cfg: DictConfig, model: ModelConfig) -> BlockCase:
         k = refused[0]
         raise ConfigError(f"{k}={cfg[k]} does not apply to layer=block (its MoE tokens are the attention's "
                           f"local_t rows, at the attention's canonical starts): leave {k} out")
+    snapshot_keys = _given(cfg, ("golden_data", "save_data"))
+    if snapshot_keys:
+        k = snapshot_keys[0]
+        raise ConfigError(f"{k}={cfg[k]}: layer=block has no snapshot layout yet (its halves' caches and the MoE's "
+                          "world in one folder); leave it out")
     if int(cfg.dp) != 1:
         raise ConfigError(f"dp={cfg.dp}: layer=block's world is ep ranks, already split into ep/tp attention groups; "
                           "leave dp out")

@@ -26,6 +26,8 @@ ATTENTION_KINDS = ("swa", "csa", "hca")
 # as the reference's model config lists them.
 FLASH_COMPRESS_RATIOS = (0, 0) + (4, 128) * 20 + (4, 0)
 KIND_OF_RATIO = {0: "swa", 4: "csa", 128: "hca"}
+# The reference decode_layer's default layer: a CSA layer past the hash layers (score routing).
+DEFAULT_LAYER_ID = 10
 
 
 def attention_of_layer(layer_id: int) -> str:
@@ -43,10 +45,10 @@ def first_layer_of(attention: str) -> int:
 
 
 def resolve_attention(attention: str | None, layer_id: int | None) -> tuple[str, int]:
-    """`(attention, layer_id)` from what the config names: either or both (then they agree)."""
+    """`(attention, layer_id)` from what the config names: either or both (then they agree);
+    neither, the reference decode_layer's default layer."""
     if attention is None and layer_id is None:
-        raise ConfigError(f"layer=block needs attention={'|'.join(ATTENTION_KINDS)} or layer_id=N "
-                          "(the attention kind by the layer schedule)")
+        layer_id = DEFAULT_LAYER_ID
     if attention is not None and attention not in ATTENTION_KINDS:
         raise ConfigError(f"attention={attention!r} must be one of {', '.join(ATTENTION_KINDS)}")
     if layer_id is None:

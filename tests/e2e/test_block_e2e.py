@@ -43,11 +43,11 @@ def test_hand_off_defects_fail_naming_x_next_and_the_ranks(tp_run, impl):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ([], "layer=block needs attention=swa|csa|hca or layer_id=N"),
     (["attention=swa", "layer_id=2"], "layer_id=2 is a csa layer"),
     (["attention=csa", "tp=4", "ep=2"], "tp >= 1 dividing it"),
     (["attention=csa", "num_tokens=8"], "num_tokens=8 does not apply to layer=block"),
     (["attention=csa", "scope=tp1"], "layer=block runs scope=full"),
+    (["attention=csa", "save_data=/tmp/never"], "layer=block has no snapshot layout yet"),
 ])
 def test_bad_block_keys_are_refused(tp_run, overrides, message):
     run = tp_run(layer="block", model="tiny", overrides=overrides)

@@ -41,10 +41,10 @@ def test_layer_id_picks_the_attention_by_the_schedule():
         ["swa", "swa", "csa", "hca", "csa", "hca", "csa", "swa"]
     assert resolve_attention("hca", None) == ("hca", 3)  # the kind's first layer
     assert resolve_attention(None, 10) == ("csa", 10)
+    assert resolve_attention(None, None) == ("csa", 10)  # the reference decode_layer's default
 
 
 @pytest.mark.parametrize("attention, layer_id, words", [
-    (None, None, "needs attention="),
     ("mla", None, "must be one of"),
     ("swa", 10, "is a csa layer"),
     (None, 44, "must be in [0, 43]"),
