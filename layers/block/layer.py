@@ -7,10 +7,10 @@ the registry (`layers.registry.get_layer`) and its `StagedLayer` API, so both ke
 their math; a `run_stage` passed in (`layers.tp.TorchTP`) sees every stage of either half with
 that half's context (`ctx.case.layer` names the half).
 
-Bisect and the stage benchmark walk the same list (`layers.block.stages`), each stage named
-by its half. The golden composes the halves' goldens the same way: per rank the attention golden of its
-TP group's case (the single-device layer with the group's full O weights, as an attention
-launch computes it), the hand-off, then the MoE golden the world computes together.
+Bisect and the stage benchmark walk the same list, each stage named by its half. The golden
+composes the halves' goldens the same way: per rank the attention golden of its TP group's
+case (the single-device layer with the group's full O weights, as an attention launch
+computes it), the hand-off, then the MoE golden the world computes together.
 
 Compared: the MoE's `x_next` of every rank (the reference decode_layer's reldiff 0.01 /
 0.05) and every cache the attention mutates, by the attention layer's own checks.
