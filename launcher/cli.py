@@ -35,12 +35,12 @@ from layers.contract.config import ConfigError
 
 from launcher import sweep_config
 from launcher.config import output_dirs
-from launcher.config.overrides import unknown_top_level
-from launcher.config.schema import top_level_names
+from launcher.config.schema import refused_overrides
 from launcher.config.slurm import node_output_dir
 from launcher.report import progress
 from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
 from launcher.run import import_gc, tee
+from launcher.store.snapshot_layer import with_snapshot_layer
 
 
 class RunStart(Callback):
@@ -147,8 +147,10 @@ def main() -> None:
         sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in VERBOSE_FLAGS)]
         tee.show_log_records()
     if not any(a in ("-sc", "--shell-completion") or a.startswith("--shell-completion=") for a in sys.argv[1:]):
+        given = command_line_overrides(sys.argv[1:])
+        sys.argv += with_snapshot_layer(given)[len(given):]  # a replay composes its snapshot's layer group
         try:
-            refusal = unknown_top_level(command_line_overrides(sys.argv[1:]), top_level_names())
+            refusal = refused_overrides(command_line_overrides(sys.argv[1:]))
         except Exception:  # an override Hydra cannot parse: Hydra's own error line says why
             refusal = None
         if refusal is not None:

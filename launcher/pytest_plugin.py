@@ -67,10 +67,17 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
 
     from hydra import compose, initialize_config_module
 
+    from launcher.config.schema import refused_overrides
     from launcher.job import execute  # registers the schemas
     from launcher.report.console import render
+    from launcher.report.exit_codes import EXIT_ERROR
+    from launcher.store.snapshot_layer import with_snapshot_layer
 
-    args = [o for k, v in keys.items() for o in _overrides(k, v)] + list(overrides)
+    args = with_snapshot_layer([o for k, v in keys.items() for o in _overrides(k, v)] + list(overrides))
+    refusal = refused_overrides(args)  # as the command line refuses it, before composing
+    if refusal is not None:
+        return TPRunResult(exit_code=EXIT_ERROR, result=None, report=f"error: {refusal}", output_dir=output_dir,
+                           output=f"error: {refusal}")
     with initialize_config_module(config_module="configs", version_base=None):
         cfg = compose(config_name="config", overrides=args)
     out, err = io.StringIO(), io.StringIO()

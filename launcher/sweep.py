@@ -34,12 +34,12 @@ from hydra_plugins.dsv4_tp_harness.sweep import expand_jobs
 from layers.contract.config import ConfigError
 
 from launcher.config.output_dirs import fresh_dir
-from launcher.config.overrides import unknown_top_level
-from launcher.config.schema import top_level_names
+from launcher.config.schema import refused_overrides
 from launcher.report.console import case_label, table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
 from launcher.report.sweep import SWEEP_FILE, collect_rows, job_entry, write_summary
 from launcher.run.preflight import preflight
+from launcher.store.snapshot_layer import with_snapshot_layer
 
 PASSED = ("PASS", "UNCHECKED")
 
@@ -55,7 +55,8 @@ def _compose(overrides: list[str]):
 
 def planned(args: list[str]) -> list[list[str]]:
     """The jobs `python -m launcher -m ARGS` runs, each as its task overrides."""
-    refusal = unknown_top_level(args, top_level_names())
+    args = with_snapshot_layer(args)
+    refusal = refused_overrides(args)
     if refusal is not None:
         raise ConfigError(refusal)
     task = [a for a in args if not _is_hydra(a)]

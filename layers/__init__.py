@@ -1,1 +1,1 @@
-"""DeepSeek-V4-Flash TP decode attention layers (SWA, CSA, HCA): goldens, fixtures, TP code."""
+"""DeepSeek-V4-Flash decode layers, one package each (swa, csa, hca, moe), and what they share."""

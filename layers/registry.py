@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import functools
 
-from . import block, csa, hca, moe, swa
-from .moe_collectives import MoECollectivesScope
+from .csa import layer as csa
+from .hca import layer as hca
+from .moe import layer as moe
+from .swa import layer as swa
+from .block import layer as block
+from .moe.collectives import MoECollectivesScope
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.layer import Layer
-from .scopes import CollectivesScope, OutputScope, TP1Scope
+from .attention.scopes import CollectivesScope, OutputScope, TP1Scope
 
 LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER, moe.LAYER, block.LAYER)}
 # The layers the focused scopes cut into: the attention layers (their TP output half).

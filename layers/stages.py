@@ -1,6 +1,6 @@
 """Each layer's stages for a case, and the tensors an implementation exposes them through.
 
-A layer's stages are its one stage list (`layers.contract.stage`, run by `layers.staged`):
+A layer's stages are its one stage list (`layers.contract.stage`, run by `layers.contract.staged`):
 SWA: hc_pre, rms_norm, qkv_proj_rope, cache_insert, attention (swa.md §6); CSA: hc_pre,
 rope_rows, rms_norm, qkv_proj_rope, compressor, indexer_query, indexer_compressor,
 indexer_topk, cache_insert, attention (csa.md §3); HCA: hc_pre, rms_norm, qkv_proj_rope,
@@ -18,7 +18,7 @@ from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.stage import Stage
 from .registry import get_scope
-from .staged import StagedLayer
+from .contract.staged import StagedLayer
 
 
 def layer_stages(case: Case) -> tuple[Stage, ...]:

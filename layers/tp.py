@@ -19,7 +19,7 @@ from .contract.context import RankContext
 from .contract.stage import Stage, Values
 from .block import BlockLayer
 from .registry import get_scope
-from .staged import StagedLayer
+from .contract.staged import StagedLayer
 
 
 class TorchTP:

@@ -1,9 +1,9 @@
 """Cost of the MoE layer's per-rank golden and EP forward on real gloo ranks (moe.md §4, §13.4).
 
 Forks `--ep` ranks on 127.0.0.1 (one EP group), and on each, with cores // ranks threads:
-builds its fixture slice, runs the per-rank golden (every source's gate, the rank's own
-experts' routed rows, the gather of those rows to rank 0 and rank 0's assembly of x_next),
-then the EP forward, gathers x_next to rank 0 and compares (bitwise, and the §8 comparator).
+builds its fixture slice, runs the per-rank golden (the layer's stages with each all-to-all
+by its reference over every rank's gathered inputs; x_next gathered to rank 0), then the EP
+forward, gathers x_next to rank 0 and compares (bitwise, and the §8 comparator).
 Prints each rank's stage wall times and peak RSS (`ru_maxrss`, MiB) after each stage.
 
     .venv/bin/python scripts/moe_cost.py --model flash --ep 2
@@ -33,12 +33,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from layers import moe  # noqa: E402
+from layers.moe import layer as moe  # noqa: E402
 from layers.contract.case import MoECase  # noqa: E402
 from layers.contract.config import PRESETS  # noqa: E402
 from layers.contract.context import RankContext  # noqa: E402
 from layers.distributed import wire  # noqa: E402
-from layers.fixtures import moe as fixture  # noqa: E402
+from layers.moe import fixture  # noqa: E402
 
 
 def _rss_mib() -> float:
@@ -63,16 +63,11 @@ def _rank(rank: int, world: int, port: int, out_dir: str, args: dict) -> None:
 
     done("start")
     tensors = fixture.rank_inputs(case, rank)
-    sources = lambda s: fixture.source_inputs(case, s)  # noqa: E731
     done("fixture")
-    gates = moe.golden_gates(case, tensors, sources)
-    done("golden_gates")
-    recv_y = moe.golden_recv_y(case, rank, gates, tensors, case.active)
-    done("golden_recv_y")
-    golden = moe.gather_golden(ctx, tensors, sources, gates, recv_y)
-    del gates, recv_y
-    done("golden_gather_assemble")
-    x_next = moe.moe_forward(ctx, tensors)["x_next"]
+    golden = wire.gather(moe.LAYER.rank_golden(ctx, {n: x.clone() for n, x in tensors.items()})["x_next"],
+                         rank, world, ctx.group)
+    done("golden")
+    x_next = moe.LAYER.forward(ctx, tensors)["x_next"]
     done("forward")
     got = wire.gather(x_next, rank, world, ctx.group)
     done("gather")

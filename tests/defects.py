@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from hydra.experimental.callback import Callback
 
-from layers import hca
+from layers.hca import layer as hca
 from layers.components import hca_compressor
 from layers.components.numerics import bf16
 from layers.components.moe_routing import block_transpose

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from layers import moe
 from layers.components import hc
 from layers.components import moe as moe_math
-from layers.components import moe_routing as routing
 from layers.contract.case import MoECase
 from layers.contract.config import SMALL
+from layers.contract.context import RankContext
+from layers.distributed.golden_walk import walk_group
+from layers.moe import layer as moe
 
 # Far more than a GEMM's summation order moves (1 in 5,000 here), far fewer than any defect of
 # the math that survives the reference comparators (a wrong rounding point moves most of them).
@@ -57,23 +58,20 @@ class Gap:
 
 def golden_gap(case: MoECase, inp: dict[str, torch.Tensor], want: torch.Tensor) -> Gap:
     """The gap of our golden x_next of the snapshot's inputs to the snapshot's `want`."""
-    rank0 = {n: (x if x.dim() == 0 else x[0]) for n, x in inp.items()}
-    sources = lambda s: {"x_hc": inp["x_hc"][s], "input_ids": inp["input_ids"][s]}  # noqa: E731
-    gates = moe.golden_gates(case, rank0, sources)
-    n = int(rank0["num_tokens"])
-    recv_ys = [moe.golden_recv_y(case, d, gates, {w: inp[w][d] for w in moe.ROUTED}, n) for d in range(case.ep)]
-    got = moe.golden_x_next(case, rank0, sources, gates, recv_ys)
+    ranks = [{name: x if x.dim() == 0 else x[r] for name, x in inp.items()} for r in range(case.ep)]
+    values = walk_group(moe.LAYER.stages(case.model), RankContext(case=case, rank=0, device=torch.device("cpu")), ranks)
+    got = torch.stack([v["x_next"] for v in values])
+    assert torch.equal(got, moe.LAYER.golden(case, inp)["x_next"])  # the layer's golden is this walk
     diff = float((got - want).abs().max())
     if torch.equal(got, want):
         return Gap(True, diff, 0, 0, 0)
-    replays = [routing.replay_dispatch(d, gates["indices"], n, case.local_experts) for d in range(case.ep)]
-    k = case.model.num_experts_per_tok
+    n, k = int(inp["num_tokens"]), case.model.num_experts_per_tok
     moved = active = unexplained = 0
     for s in range(case.ep):
-        sh = moe_math.shared_expert(gates["x_norm_i8"][s], gates["x_norm_scale"][s], *(rank0[w] for w in moe.SHARED), case.model)
-        routed = routing.replay_combine(s, case.tokens, k, replays, recv_ys).view(case.tokens, k, -1)
-        x_next = lambda sh, routed: hc.hc_post(  # noqa: E731
-            moe_math.reduce(sh, routed.reshape(-1, sh.shape[1]), n), inp["x_hc"][s], gates["post"][s], gates["comb"][s])
+        v = values[s]
+        sh, routed = v["sh"], v["routed_y_buf"].view(case.tokens, k, -1)
+        x_next = lambda sh, routed, v=v: hc.hc_post(  # noqa: E731
+            moe_math.reduce(sh, routed.reshape(-1, sh.shape[1]), n), v["x_hc"], v["post"], v["comb"])
         # Each (token, column) whose x_next differs in any stream, in an active token (an
         # inactive one has no expert output in it): try each expert output one step down and up.
         off = (got[s] != want[s]).any(dim=1)

@@ -6,13 +6,14 @@ prefix: `tp`, `model`, `model.hidden_size`, `tolerance.x_out.diff_thd`.
 
 `unknown_top_level` refuses a key the run config does not have before Hydra composes: Hydra
 itself adds any `+key=value` to the config silently (`+layr=swa` would run swa), and refuses a
-plain `layr=swa` by suggesting that `+`.
+plain `layr=swa` by suggesting that `+`. `foreign_case_key` refuses a case key of another layer
+(`tp` with layer=moe) in the user's words, where the layer's schema would refuse it in Hydra's.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -42,4 +43,33 @@ def unknown_top_level(overrides: Sequence[str], known: Collection[str]) -> str |
     return None
 
 
-__all__ = ["override_keys", "names", "unknown_top_level"]
+def _layers_chosen(parsed: list, default_layer: str) -> list[str]:
+    """The layers the overrides run: the values of `layer=` (each of a sweep's), else the default."""
+    for o in parsed:
+        if o.key_or_group == "layer" and not o.is_delete():
+            return list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
+    return [default_layer]
+
+
+def foreign_case_key(overrides: Sequence[str], layer_keys: Mapping[str, Collection[str]],
+                     default_layer: str) -> str | None:
+    """Why one of `overrides` sets a case key that a layer it runs does not take (`tp` of a TP
+    layer with layer=moe), naming the layers whose key it is and the keys the layer takes; None if
+    every case key it sets belongs to every layer it runs."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    chosen = _layers_chosen(parsed, default_layer)
+    case_keys = {k for keys in layer_keys.values() for k in keys}
+    for text, o in zip(overrides, parsed):
+        key = o.key_or_group.lstrip("+")
+        if key not in case_keys or o.is_delete():
+            continue
+        for layer in chosen:
+            takes = layer_keys.get(layer)
+            if takes is not None and key not in takes:
+                owners = ", ".join(name for name, keys in layer_keys.items() if key in keys)
+                return (f"{text} does not apply to layer={layer}: {key} is a key of layer={owners}; "
+                        f"layer={layer} takes {', '.join(takes)}")
+    return None
+
+
+__all__ = ["override_keys", "names", "unknown_top_level", "foreign_case_key"]

@@ -26,10 +26,6 @@ from layers.contract.config import ModelConfig
 from launcher.config.output_dirs import fresh_dir
 
 
-# The attention layers' TP size when `tp` is not given (the MoE layer has `ep` instead).
-DEFAULT_TP = 4
-
-
 def row_block(decode_seq: int) -> int:
     """The token row block: lcm(TOKEN_TILE, decode_seq) tokens, whole requests and whole tiles."""
     return math.lcm(TOKEN_TILE, decode_seq)
@@ -40,8 +36,8 @@ def _model(root) -> ModelConfig:
 
 
 def tp_of(root) -> int:
-    """The job's tp: the key, or its default for the attention layers."""
-    return int(root.tp) if root.tp is not None else DEFAULT_TP
+    """The job's tp (a TP layer's key; its group gives the default)."""
+    return int(root.tp)
 
 
 def capacity(blocks_below: int = 0, *, _root_) -> int:

@@ -13,16 +13,19 @@ dataclasses is `launcher.config.spec.run_spec`'s job alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from layers.contract.case import CASE_KEYS
 from layers.contract.config import PRESETS, ModelConfig
 
+from launcher.config.overrides import foreign_case_key, unknown_top_level
 from launcher.config.resolvers import register_resolvers
 
 _hints = typing.get_type_hints(ModelConfig)
@@ -58,18 +61,12 @@ class FaultSchema:
 
 @dataclass
 class RunSchema:
+    """The keys every run has; a layer's case keys come with its config group (`layer_schemas`)."""
+
     layer: LayerSchema = MISSING
     model: ModelSchema = MISSING  # typed here: a model YAML of one's own is checked without naming a schema
-    tp: Optional[int] = None  # attention layers; null = 4
-    ep: Optional[int] = None  # the MoE layer; null = 2
-    attention: Optional[str] = None  # layer=block: swa | csa | hca (or by layer_id)
     dp: int = 1
-    layer_id: Optional[int] = None  # MoE case keys (null: layer 0, every token active, random routing)
-    num_tokens: Optional[int] = None
-    balanced_routing: Optional[bool] = None
-    local_t: Optional[int] = None
     seed: int = 20260819
-    start_pos: Any = None
     impl: Any = None
     backend: str = "auto"
     timeout_s: Optional[float] = None
@@ -101,11 +98,79 @@ class RunSchema:
     tolerance: Any = field(default_factory=lambda: DictConfig({}, flags={"struct": False}))
 
 
+def _with_case_keys(name: str, keys: type) -> type:
+    """RunSchema and one set of case keys (`layers.contract.case.CASE_KEYS`), every key's default
+    left to the layer's config group."""
+    hints = typing.get_type_hints(keys)
+    schema = dataclasses.make_dataclass(
+        f"{keys.__name__}RunSchema", [(f.name, hints[f.name], field(default=MISSING)) for f in dataclasses.fields(keys)],
+        bases=(RunSchema,),
+    )
+    schema.__module__ = __name__  # found by pickle, as ModelSchema
+    globals()[schema.__name__] = schema
+    return schema
+
+
+# The run config of a layer whose group names case keys `name` (`- /layer_keys/<name>` in
+# configs/layer/<layer>.yaml): RunSchema with those keys, no other layer's.
+LAYER_SCHEMAS = {name: _with_case_keys(name, keys) for name, keys in CASE_KEYS.items()}
+
+
+def _configs():
+    return importlib.resources.files("configs")
+
+
+@functools.cache
+def layer_groups() -> dict[str, dict]:
+    """Each option of the layer group (configs/layer/<name>.yaml): its case-key set and its keys'
+    defaults, as the file gives them."""
+    groups = {}
+    for path in sorted(_configs().joinpath("layer").iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".yaml"):
+            node = OmegaConf.to_container(OmegaConf.load(str(path)), resolve=False)
+            key_set = next(str(d).rsplit("/", 1)[1] for d in node.pop("defaults") if str(d).startswith("/layer_keys/"))
+            node.pop("layer")
+            groups[path.name[: -len(".yaml")]] = {"key_set": key_set, "keys": node}
+    return groups
+
+
+@functools.cache
+def default_layer() -> str:
+    """The layer config.yaml's defaults list selects."""
+    defaults = OmegaConf.load(str(_configs().joinpath("config.yaml"))).defaults
+    return next(str(d["layer"]) for d in defaults if isinstance(d, DictConfig) and "layer" in d)
+
+
+def layer_keys() -> dict[str, tuple[str, ...]]:
+    """Each layer's case keys, by layer name."""
+    return {name: tuple(group["keys"]) for name, group in layer_groups().items()}
+
+
+def with_layer(cfg: DictConfig, name: str) -> DictConfig:
+    """`cfg` composed for layer `name` instead of its own (a replayed snapshot's layer): its keys
+    as they are where `name` takes them, the case keys `name` does not take dropped, and the
+    ones `name` takes but `cfg` lacks at their defaults."""
+    group = layer_groups()[name]
+    foreign = {k for keys in layer_keys().values() for k in keys} - set(group["keys"])
+    kept = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k not in foreign}
+    merged = OmegaConf.merge(LAYER_SCHEMAS[group["key_set"]], group["keys"], kept)
+    merged.layer.name = name
+    return merged
+
+
 def top_level_names() -> frozenset[str]:
-    """What a command-line override may name first: a key of the run config, a config group
-    (the folders of the `configs` package, `+sweep` among them), or `hydra`."""
-    groups = {p.name for p in importlib.resources.files("configs").iterdir() if p.is_dir() and p.name != "__pycache__"}
-    return frozenset(f.name for f in dataclasses.fields(RunSchema)) | groups | {"hydra"}
+    """What a command-line override may name first: a key of the run config or of a layer, a
+    config group (the folders of the `configs` package, `+sweep` among them), or `hydra`."""
+    groups = {p.name for p in _configs().iterdir() if p.is_dir() and p.name != "__pycache__"}
+    case_keys = {f.name for keys in CASE_KEYS.values() for f in dataclasses.fields(keys)}
+    return frozenset(f.name for f in dataclasses.fields(RunSchema)) | case_keys | groups | {"hydra"}
+
+
+def refused_overrides(overrides: list[str]) -> str | None:
+    """Why command-line overrides would not compose, in the user's words: a key no config has
+    (with the nearest), or a case key of a layer the run does not run; None: they compose."""
+    return (unknown_top_level(overrides, top_level_names())
+            or foreign_case_key(overrides, layer_keys(), default_layer()))
 
 
 def register() -> None:
@@ -115,5 +180,7 @@ def register() -> None:
     # The layer and model nodes take their schemas from RunSchema's typed fields: no schema is a
     # group option, which completion and "available options" would offer (`model=model_schema`).
     cs.store(name="run_schema", node=RunSchema)
+    for name, schema in LAYER_SCHEMAS.items():
+        cs.store(group="layer_keys", name=name, node=schema, package="_global_")
     for name, preset in PRESETS.items():
         cs.store(group="model", name=name, node=ModelSchema(**dataclasses.asdict(preset)))

@@ -13,7 +13,6 @@ RunSpec is plain dataclasses, picklable, no OmegaConf: it is what every rank rec
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -21,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from layers.block.case import BlockCase, default_local_t, resolve_attention
 from layers.contract.case import Case, MoECase
@@ -32,16 +31,16 @@ from layers.registry import get_scope, validated
 from launcher.config.faults import Fault
 from launcher.config.faults import check_unset as check_fault_unset
 from launcher.config.job_slot import JobSlot
-from launcher.config.overrides import override_keys
+from launcher.config.overrides import foreign_case_key, override_keys
 from launcher.config.replay import SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer
 from launcher.config.resolvers import tp_of
+from launcher.config.schema import layer_keys, with_layer
 from launcher.config.slurm import node_keys, slurm_step
 from launcher.config.tolerance import Tolerances, read_tolerances
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_IMPL = "layers.tp.TorchTP"
-DEFAULT_EP = 2  # the MoE layer's EP size when `ep` is not given (the reference's default)
 
 
 @dataclass(frozen=True)
@@ -232,18 +231,8 @@ def _size_key(case) -> str:
     return "ep" if isinstance(case, (MoECase, BlockCase)) else "tp"
 
 
-def _given(cfg: DictConfig, keys: tuple[str, ...]) -> list[str]:
-    return [k for k in keys if cfg[k] is not None]
-
-
 def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> Case:
-    """The case of an attention layer (swa, csa, hca): TP keys; the MoE keys are refused."""
-    if cfg.attention is not None:
-        raise ConfigError(f"attention={cfg.attention} is a key of layer=block; layer={layer} is the attention")
-    moe_keys = _given(cfg, ("ep", "layer_id", "num_tokens", "balanced_routing"))
-    if moe_keys:
-        raise ConfigError(f"{moe_keys[0]}={cfg[moe_keys[0]]} is a key of layer=moe; layer={layer} takes tp, "
-                          f"local_t and start_pos")
+    """The case of a TP layer from its keys (`layers.contract.case.TPKeys`)."""
     tp = tp_of(cfg)
     if tp < 1:
         raise ConfigError(f"tp={tp} must be >= 1")
@@ -253,48 +242,36 @@ def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str)
 
 
 def _moe_case(cfg: DictConfig, model: ModelConfig, scope: str) -> MoECase:
-    """The case of the MoE layer: its group is the EP group (`ep`, default 2) with 128 tokens
-    per rank; the attention layers' keys do not apply and are refused, nor do the routing keys
-    under scope=collectives (its routes are its own closed-form draw)."""
-    attention_keys = _given(cfg, ("tp", "local_t", "start_pos", "attention"))
-    if attention_keys:
-        k = attention_keys[0]
-        raise ConfigError(f"{k}={cfg[k]} does not apply to layer=moe (its group is ep=P ranks of 128 tokens "
-                          f"each): leave {k} out")
-    routing_keys = _given(cfg, ("layer_id", "balanced_routing")) if scope != "full" else []
-    if routing_keys:
-        k = routing_keys[0]
-        raise ConfigError(f"{k}={cfg[k]} does not apply to layer=moe scope={scope} (it routes by its own "
-                          f"integer data): leave {k} out")
-    ep = int(cfg.ep) if cfg.ep is not None else DEFAULT_EP
+    """The case of the MoE layer from its keys (`layers.contract.case.EPKeys`): its group is the
+    EP group with 128 tokens per rank. The routing keys do not apply under scope=collectives (its
+    routes are its own closed-form draw)."""
+    routing = {"layer_id": cfg.layer_id, "balanced_routing": cfg.balanced_routing} if scope != "full" else {}
+    for k, value in routing.items():
+        if value:
+            raise ConfigError(f"{k}={value} does not apply to layer=moe scope={scope} (it routes by its own "
+                              f"integer data): leave {k} out")
+    ep = int(cfg.ep)
     if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
         raise ConfigError(f"ep={ep} must be in [1, {MOE_MAX_EP}] (E = 16·ep experts; score routing sorts at most 256)")
-    return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id or 0),
+    return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id),
                    num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
                    balanced_routing=bool(cfg.balanced_routing), scope=scope)
 
 
 def _block_case(cfg: DictConfig, model: ModelConfig) -> BlockCase:
-    """The case of the decoder layer: the world is `ep` ranks (default 2), attention in TP
-    groups of `tp` (default 1: data-parallel attention), the kind named by `attention` or by
+    """The case of the decoder layer from its keys (`layers.contract.case.BlockKeys`): the world
+    is `ep` ranks, attention in TP groups of `tp`, the kind named by `attention` or by
     `layer_id`'s place in the layer schedule."""
-    refused = _given(cfg, ("num_tokens", "balanced_routing", "start_pos"))
-    if refused:
-        k = refused[0]
-        raise ConfigError(f"{k}={cfg[k]} does not apply to layer=block (its MoE tokens are the attention's "
-                          f"local_t rows, at the attention's canonical starts): leave {k} out")
-    snapshot_keys = _given(cfg, ("golden_data", "save_data"))
-    if snapshot_keys:
-        k = snapshot_keys[0]
-        raise ConfigError(f"{k}={cfg[k]}: layer=block has no snapshot layout yet (its halves' caches and the MoE's "
-                          "world in one folder); leave it out")
+    for k in ("golden_data", "save_data"):
+        if cfg[k]:
+            raise ConfigError(f"{k}={cfg[k]}: layer=block has no snapshot layout yet (its halves' caches and the "
+                              "MoE's world in one folder); leave it out")
     if int(cfg.dp) != 1:
         raise ConfigError(f"dp={cfg.dp}: layer=block's world is ep ranks, already split into ep/tp attention groups; "
                           "leave dp out")
     attention, layer_id = resolve_attention(None if cfg.attention is None else str(cfg.attention),
                                             None if cfg.layer_id is None else int(cfg.layer_id))
-    tp = int(cfg.tp) if cfg.tp is not None else 1
-    ep = int(cfg.ep) if cfg.ep is not None else DEFAULT_EP
+    tp, ep = int(cfg.tp), int(cfg.ep)
     if tp < 1 or not 1 <= ep <= MOE_MAX_EP or ep % tp:  # first: the world size depends on them
         raise ConfigError(f"tp={tp}, ep={ep}: layer=block needs ep in [1, {MOE_MAX_EP}] and tp >= 1 dividing it "
                           "(ep/tp attention TP groups)")
@@ -322,10 +299,11 @@ def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str]
         facts = describe_snapshot(_path(cfg.golden_data))
         # The snapshot's layer decides which keys the case takes (tp or ep): read it first.
         layer = replayed_layer(str(cfg.layer.name), facts, given)
-        if layer != cfg.layer.name:
-            cfg = copy.deepcopy(cfg)
-            with open_dict(cfg):
-                cfg.layer.name = layer
+        if layer != cfg.layer.name:  # the snapshot's layer's keys, not the config's layer's
+            refusal = foreign_case_key(list(overrides or ()), layer_keys(), layer)
+            if refusal is not None:
+                raise ConfigError(f"{refusal} (the layer of golden_data)")
+            cfg = with_layer(cfg, layer)
     spec = run_spec(cfg, output_dir)
     if facts is not None:
         case, read = replayed_case(spec.case, facts, given, _default_local_t)

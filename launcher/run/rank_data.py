@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind, tensor_sha256
+from layers.fixtures.kept import kept_sha256
 
 from launcher.config.spec import RunSpec
 from launcher.store import golden_cache, snapshot
@@ -49,7 +50,7 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
 
     if spec.golden_cache is None:
         tensors, wo_full = drawn()
-        return RankInputs(tensors, {n: tensor_sha256(tensors[n]) for n in digested}, wo_full, None)
+        return RankInputs(tensors, {n: _drawn_sha256(tensors[n]) for n in digested}, wo_full, None)
     specs = {n: s for n, s in layer.tensor_specs(case).items() if s.kind is not Kind.OUTPUT}
     parts = {  # entry -> its identity and the names it holds
         "own": (golden_cache.inputs_identity(case, rank, spec.threads()),
@@ -67,7 +68,7 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
     tensors, wo_full = drawn()
     to_store = [(ident, names) for part, (ident, names) in parts.items()
                 if part in read and read[part] is None and (part == "own" or stores_group)]
-    digests = {n: tensor_sha256(tensors[n]) for n in set(digested).union(*(names for _, names in to_store))}
+    digests = {n: _drawn_sha256(tensors[n]) for n in set(digested).union(*(names for _, names in to_store))}
     problems = [golden_cache.store(spec.golden_cache, ident, {n: tensors[n] for n in names},
                                    spec.golden_cache_max_bytes, sha256={n: digests[n] for n in names})
                 for ident, names in to_store]
@@ -78,6 +79,12 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
     return RankInputs(tensors, {n: digests[n] for n in digested}, wo_full, status)
 
 
+def _drawn_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor the fixture just drew: the replicated weights kept for the next job
+    were hashed as they were drawn (`layers.fixtures.kept`), and are not hashed again."""
+    return kept_sha256(t) or tensor_sha256(t)
+
+
 def _with_inouts_cloned(layer, case, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The rank's inputs with its in-out tensors cloned: the golden updates those in place and
     must leave the implementation's copies as they were (it runs first, so the pure inputs are
@@ -86,13 +93,14 @@ def _with_inouts_cloned(layer, case, inputs: dict[str, torch.Tensor]) -> dict[st
     return {n: t.clone() if n in inout else t for n, t in inputs.items()}
 
 
-def golden_outputs(layer, case, inputs: dict[str, torch.Tensor], wo_full) -> dict[str, torch.Tensor]:
-    """The golden of this rank's shard: the TP1 layer with full O weights, on the rank's inputs
-    (`_with_inouts_cloned`)."""
+def golden_outputs(layer, ctx: RankContext, inputs: dict[str, torch.Tensor], wo_full) -> dict[str, torch.Tensor]:
+    """This rank's golden (`Layer.rank_golden`, on the CPU) of the rank's inputs
+    (`_with_inouts_cloned`), with the full O weights where the layer projects with them."""
+    case = ctx.case
     tensors = _with_inouts_cloned(layer, case, inputs)
     if layer.sharded_o_weights:
         tensors["wo_a"], tensors["wo_b"] = wo_full
-    out = layer.golden(case, tensors)
+    out = layer.rank_golden(dataclasses.replace(ctx, device=torch.device("cpu")), tensors)
     return {n: out[n] for n in layer.compared_names(case)}
 
 
@@ -116,11 +124,17 @@ def _stored_golden(spec: RunSpec, ident: dict, outputs: dict[str, torch.Tensor])
     return f"not written: {problem}" if problem else None
 
 
-def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """`(golden, cache status)` of `case` on group rank `rank`: from the on-disk cache when a
-    whole entry of its identity is there (status "hit"), else computed and stored (None, or why
-    the cache could not be written: the run goes on with the computed golden). `wo_full`: the
-    full O weights when the fixture built them already."""
+def cached_golden(spec: RunSpec, layer, ctx: RankContext, inputs, wo_full=None) -> tuple[dict[str, torch.Tensor], str | None]:
+    """`(golden, cache status)` of this rank: from the on-disk cache when a whole entry of its
+    identity is there (status "hit"; for a golden that reads every rank's data, only when every
+    rank of the group holds one, since a rank that misses needs all of them to compute it), else
+    computed and stored (None, or why the cache could not be written: the run goes on with the
+    computed golden). `wo_full`: the full O weights when the fixture built them already."""
+    case, rank = ctx.case, ctx.rank
+
+    def computed():
+        return golden_outputs(layer, ctx, inputs, full_o_weights())
+
     def full_o_weights():
         if not layer.sharded_o_weights:
             return None
@@ -129,35 +143,15 @@ def cached_golden(spec: RunSpec, layer, case, inputs, rank: int, wo_full=None) -
         return wo_full if wo_full is not None else layer.full_o_weights(case)
 
     if spec.golden_data is not None or spec.golden_cache is None:
-        return golden_outputs(layer, case, inputs, full_o_weights()), None
-    specs = layer.tensor_specs(case)
-    ident = golden_cache.identity(case, rank, spec.threads())
-    hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(case)})
-    if hit is not None:
-        return hit, "hit"
-    outputs = golden_outputs(layer, case, inputs, full_o_weights())
-    return outputs, _stored_golden(spec, ident, outputs)
-
-
-def cached_group_golden(spec: RunSpec, layer, ctx: RankContext, inputs) -> tuple[dict[str, torch.Tensor], str | None]:
-    """`cached_golden` of a layer whose golden the group computes together (`golden_of_group`):
-    read from the cache only when every rank of the group holds a whole entry, since a rank
-    that misses needs all of them to compute it."""
-    case, rank = ctx.case, ctx.rank
-    golden_ctx = dataclasses.replace(ctx, device=torch.device("cpu"))
-
-    def computed():
-        return layer.golden_of_group(golden_ctx, _with_inouts_cloned(layer, case, inputs))
-
-    if spec.golden_data is not None or spec.golden_cache is None:
         return computed(), None
     specs = layer.tensor_specs(case)
     ident = golden_cache.identity(case, rank, spec.threads())
     hit = golden_cache.load(spec.golden_cache, ident, {n: specs[n] for n in layer.compared_names(case)})
-    every_hit = torch.tensor([int(hit is not None)], device=ctx.device)
-    if case.group_size > 1:
+    if layer.golden_reads_every_rank and case.group_size > 1:
+        every_hit = torch.tensor([int(hit is not None)], device=ctx.device)
         dist.all_reduce(every_hit, op=dist.ReduceOp.MIN, group=ctx.group)
-    if every_hit.item():
+        hit = hit if every_hit.item() else None
+    if hit is not None:
         return hit, "hit"
     outputs = computed()
     return outputs, _stored_golden(spec, ident, outputs)

@@ -57,7 +57,7 @@ from launcher.config.spec import RunSpec
 from launcher.config.verdict_words import fails_the_run
 from launcher.run import bench, devices, faults, forkserver, golden_guard, judging, lifeline, nodes, watchdog
 from launcher.run.groups import GroupLayout, by_group, tp_process_group
-from launcher.run.rank_data import cached_golden, cached_group_golden, rank_inputs
+from launcher.run.rank_data import cached_golden, rank_inputs
 from launcher.store import snapshot
 from launcher.verify import bisect
 from launcher.verify.base import initial_key
@@ -361,10 +361,7 @@ def _run(spec: RunSpec, layout: GroupLayout, group, device: torch.device):
                 if spec.golden_data:
                     references["snapshot"] = snapshot.load_rank(spec.golden_data, "out", compared, grank, specs)
                 if not spec.golden_data or spec.recompute_golden:
-                    if layer.golden_per_rank:
-                        references["golden"], cache_status = cached_golden(spec, layer, case, inputs, grank, wo_full)
-                    else:  # computed by the group together (the harness's collectives, never the impl's)
-                        references["golden"], cache_status = cached_group_golden(spec, layer, ctx, inputs)
+                    references["golden"], cache_status = cached_golden(spec, layer, ctx, inputs, wo_full)
                 for source, reference in references.items():
                     check_reference_finite(spec, case, layer, source, reference, inputs, rank,
                                            cached=source == "golden" and cache_status == "hit")

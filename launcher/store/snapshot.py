@@ -39,9 +39,9 @@ from layers.contract.case import Case
 from layers.contract.config import ConfigError
 from layers.contract.tensors import Kind, TensorSpec
 
-MANIFEST = "manifest.json"
+from launcher.store.snapshot_layer import MANIFEST, SUBDIRS
+
 MANIFEST_HASH = "manifest_sha256"  # the manifest's own digest, over every other key
-SUBDIRS = ("in", "out")
 # What a folder may hold to be replaced by `save_overwrite=true`: a snapshot's parts (ours, and
 # the reference.json the reference's shared snapshots carry).
 SNAPSHOT_PARTS = {"in", "out", MANIFEST, "reference.json"}

@@ -36,18 +36,8 @@ from layers.registry import get_scope
 from launcher.config.replay import Fact, SnapshotFacts
 from launcher.store import snapshot
 from launcher.store.snapshot import Entry
+from launcher.store.snapshot_layer import KINDS, SCOPE_KINDS, kind_of
 
-# Names that tell what a snapshot holds, checked in this order (a scope holds some of the
-# layers' names too). MoE: moe.md §3's expert weights, its hash table and output.
-KINDS = (
-    ("moe", ("x_next", "tid2eid", "routed_w1", "shared_w1")),
-    ("output", ("proj_attention_local_groups", "proj_wo_a")),
-    ("collectives", ("kv_group", "kv_local", "attention_local_groups")),
-    ("csa", ("idx_kv_cache", "idx_kv_scale", "inner_compress_state", "idx_wq_b")),
-    ("hca", ("cmp_kv", "cmp_freqs_cos")),
-    ("swa", ("swa_slot_mapping", "swa_indices", "x_out", "x_hc")),
-)
-SCOPE_KINDS = ("output", "collectives")  # the focused scopes whose tensors are their own
 # The file to cite for tp, by what the snapshot holds (first one present).
 TP_ANCHORS = {"output": ("in/q", "out/o_local"), "collectives": ("in/kv_local", "out/o_local"),
               "moe": ("in/x_hc", "out/x_next")}
@@ -121,10 +111,6 @@ FIELDS: dict[str, tuple[Rule, ...]] = {
 }
 
 
-def _kind(names: set[str]) -> str | None:
-    return next((kind for kind, marks in KINDS if any(n in names for n in marks)), None)
-
-
 def describe(directory: str) -> SnapshotFacts:
     """Everything `directory` says about its case; ConfigError for a file that is not plain
     tensor data. An empty folder says nothing (its missing files are named by `snapshot.check`)."""
@@ -134,7 +120,7 @@ def describe(directory: str) -> SnapshotFacts:
     names = {key.split("/", 1)[1] for key in entries}
     manifest = snapshot.read_manifest(directory) or {}
     manifest_path = os.path.join(directory, snapshot.MANIFEST)
-    kind = _kind(names)
+    kind = kind_of(names)
     facts: dict = {}
     if "layer" in manifest:
         facts["layer"] = Fact(manifest["layer"], manifest_path)

@@ -36,7 +36,7 @@ from layers.contract.checks import ExactCheck
 from layers.contract.context import RankContext
 from layers.contract.layer import Layer
 from layers.contract.stage import Stage
-from layers.distributed import wire
+from layers.distributed.golden_walk import golden_stage
 from layers.stages import layer_stages
 
 from launcher.verify.base import initial_key
@@ -45,32 +45,12 @@ from launcher.verify.build import build_comparator
 OUTPUTS_STAGE = "outputs"
 
 
-def every_rank(ctx: RankContext, t: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-    """Every rank's `t` on the CPU, bit-exact (raw bytes on the wire): stacked `[P, ...]`, or
-    the list of the P tensors where their leading sizes differ (the MoE receive rows)."""
-    t = t.detach().to(ctx.device)
-    rows = wire.all_gather(torch.tensor([t.shape[0] if t.dim() else 0], device=ctx.device), ctx.group, ctx.tp)
-    rows = rows.reshape(-1).tolist()
-    if len(set(rows)) == 1:
-        return wire.all_gather(t, ctx.group, ctx.tp).cpu()
-    padded = t.new_zeros((max(rows), *t.shape[1:]))
-    padded[: t.shape[0]] = t
-    every = wire.all_gather(padded, ctx.group, ctx.tp).cpu()
-    return [every[r, :n] for r, n in enumerate(rows)]
-
-
-def _golden_stage(stage: Stage, ctx: RankContext, args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    for name in stage.every_rank:
-        args[name] = every_rank(ctx, args[name])
-    return {n: t.detach().to("cpu", copy=True) for n, t in stage.golden(ctx, args).items()}
-
-
 def golden_chain(stages: Sequence[Stage], ctx: RankContext, initial: dict[str, torch.Tensor]) -> dict[str, dict]:
     """Stage name -> the golden's outputs of that stage, each stage fed the golden's earlier ones."""
     values = {n: t.clone() for n, t in initial.items()}
     chain = {}
     for stage in stages:
-        chain[stage.name] = _golden_stage(stage, ctx, {n: values[n] for n in stage.reads})
+        chain[stage.name] = golden_stage(stage, ctx, {n: values[n] for n in stage.reads})
         values.update(chain[stage.name])
     return chain
 
@@ -79,7 +59,7 @@ def _run_impl(stages: Sequence[Stage], ctx: RankContext, inputs: dict, impl) -> 
     """`(returned outputs, stage -> recorded outputs, whether stages were observed)` on CPU.
 
     A stage-based implementation (`layers.tp.TorchTP` and its subclasses, or any code that
-    runs stages with `layers.staged.run_stages`) reports each stage it runs through the
+    runs stages with `layers.contract.staged.run_stages`) reports each stage it runs through the
     context's observer: its outputs are recorded as it computed them, a replaced stage's
     included."""
     tensors = {n: t.to(ctx.device, copy=True) for n, t in inputs.items()}
@@ -161,7 +141,7 @@ def bisect_rank(layer: Layer, ctx: RankContext, inputs: dict[str, torch.Tensor],
 
     rows = []
     for stage, (got, args), alone in zip(stages, plans, isolated):
-        reference = _golden_stage(stage, ctx, {n: t.clone() for n, t in args.items()}) if alone else None
+        reference = golden_stage(stage, ctx, {n: t.clone() for n, t in args.items()}) if alone else None
         mode = "isolated" if alone else ("chain" if got else "absent")
         tensors = []
         for out in stage.writes:
@@ -278,4 +258,4 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["OUTPUTS_STAGE", "every_rank", "golden_chain", "bisect_rank", "gather_bisect", "merge", "render"]
+__all__ = ["OUTPUTS_STAGE", "golden_chain", "bisect_rank", "gather_bisect", "merge", "render"]

@@ -28,7 +28,7 @@ from ..contract.context import RankContext
 from ..contract.layer import Layer
 from ..contract.stage import Stage, Values
 from ..contract.tensors import Kind, TensorSpec
-from ..staged import RunStage, default_run_stage, run_stages
+from ..contract.staged import RunStage, default_run_stage, run_stages
 from .case import BlockCase
 from .stages import ATTENTION_OUTPUT, MOE_RESIDUAL, block_stages, half, hand_off, moe_context
 from .tp_groups import attention_group
@@ -39,7 +39,6 @@ X_NEXT = RelDiffCheck("x_next", diff_thd=0.01, pct_thd=0.05, max_diff_hd=float("
 class BlockLayer(Layer):
     name = "block"
     sharded_o_weights = False  # the attention golden draws its group's full O weights itself
-    golden_per_rank = False  # the MoE half's golden needs every rank's routes
 
     @property
     def replicated_inputs(self) -> frozenset[str]:
@@ -74,7 +73,7 @@ class BlockLayer(Layer):
         raise ConfigError("layer=block draws each TP group's O weights in its attention golden")
 
     def golden(self, case, tensors):
-        raise NotImplementedError("the block's MoE golden needs every rank's routes: golden_of_group")
+        raise NotImplementedError("the block's MoE golden needs every rank's routes: rank_golden")
 
     def _split(self, case: BlockCase, tensors: Mapping[str, torch.Tensor]):
         attention, moe = self._halves(case)
@@ -85,7 +84,7 @@ class BlockLayer(Layer):
     def _outputs(self, case: BlockCase, attention_values: Values, x_next: torch.Tensor) -> dict[str, torch.Tensor]:
         return {**{n: attention_values[n] for n in self.compared_names(case) if n != "x_next"}, "x_next": x_next}
 
-    def golden_of_group(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def rank_golden(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The attention golden of this rank (its TP group's case and full O weights), the
         hand-off, then the MoE golden of the world (the harness's collectives)."""
         case: BlockCase = ctx.case
@@ -95,7 +94,7 @@ class BlockLayer(Layer):
         attention_in["wo_a"], attention_in["wo_b"] = attention.full_o_weights(attention_case)
         attention_out = attention.golden(attention_case, attention_in)
         handed = hand_off(ctx, {ATTENTION_OUTPUT: attention_out[ATTENTION_OUTPUT], MOE_RESIDUAL: tensors[MOE_RESIDUAL]})
-        x_next = half("moe").golden_of_group(moe_context(ctx), {**moe_in, **handed})["x_next"]
+        x_next = half("moe").rank_golden(moe_context(ctx), {**moe_in, **handed})["x_next"]
         return self._outputs(case, attention_out, x_next)
 
     def case_stages(self, case: BlockCase) -> tuple[Stage, ...]:

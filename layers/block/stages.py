@@ -23,7 +23,7 @@ import torch
 
 from ..contract.context import RankContext
 from ..contract.stage import Stage, Values
-from ..staged import RunStage, StagedLayer, default_run_stage, exact, judged
+from ..contract.staged import RunStage, StagedLayer, default_run_stage, exact, judged
 from .case import BlockCase
 
 # The MoE fixture's own x_hc, renamed: the block's x_hc is the attention's input. Its rows

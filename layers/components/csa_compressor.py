@@ -15,7 +15,7 @@ state rows are written, then its window is read, then request b+1 — because th
 state tables alias history rows onto other requests' (and the same request's) current rows.
 Only the first boundary of a request (token `3 − first mod 4`) is pooled and committed.
 
-The stages are composed by `layers.csa` (its forward looks them up at call time, so a test
+The stages are composed by `layers.csa.layer` (its forward looks them up at call time, so a test
 can inject a defect into one stage, e.g. `write_state` or `commit_cmp_rows`).
 """
 

@@ -6,8 +6,8 @@ logits + APE at `pos % 128`), the per-channel softmax pooling of a completed 128
 block read through the state block table, the RMSNorm and fp32 RoPE of the pooled row at the
 block start's angle, and its commit into the compressed KV pool `cmp_kv`.
 
-Not here: the fixture's tables and RoPE rows (`layers.fixtures.hca`), attention over the
-committed rows (`layers.hca`), anything distributed. Every step is a module-level function
+Not here: the fixture's tables and RoPE rows (`layers.hca.fixture`), attention over the
+committed rows (`layers.hca.layer`), anything distributed. Every step is a module-level function
 that `compress` composes.
 
 Order matters (hca.md §10.1): a request's pooling window is read through the state table

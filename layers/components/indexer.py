@@ -5,13 +5,13 @@ Owns the indexer side of one CSA decode step on one rank: the inner compressor's
 `idx_kv_scale`), the indexer query (int8 Q latent × idx_wq_b, RoPE at the request's first
 position, Hadamard, per-(token, head) int8), the per-head weights, the exact int8 scores of
 every visible compressed slot with their causal limits, and the top-k selection. The inner
-compressor itself is `layers.csa_compressor`; attention over the selection is `layers.csa`.
+compressor itself is `layers.csa_compressor`; attention over the selection is `layers.csa.layer`.
 
 Top-k rule (§4.6, §10.7): descending score, ties broken by ascending slot (a stable sort),
 the selected slots kept in that order — the order places each slot in its 128-key attention
 tile. Entries past `min(K, visible)` are −1.
 
-The stages are composed by `layers.csa` (its forward looks them up at call time, so a test
+The stages are composed by `layers.csa.layer` (its forward looks them up at call time, so a test
 can inject a defect into one stage, e.g. `select_topk` or `commit_idx_rows`).
 """
 

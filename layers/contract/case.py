@@ -13,8 +13,44 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any, Optional
 
 from .config import MOE_MAX_EP, ConfigError, ModelConfig, round_up
+
+
+# -- the config keys of a layer's case: a layer's config group (configs/layer/<name>.yaml) names
+# its set and gives every key's default; the launcher's schema refuses the keys of other sets.
+@dataclass
+class TPKeys:
+    """The keys of a TP layer's case (`Case`)."""
+
+    tp: int  # the TP group size
+    local_t: Optional[int]  # tokens per rank; None: the rank's capacity decode_batch*decode_seq/tp
+    start_pos: Any  # None: the layer's canonical start set; an int; or a list (per rank or per group)
+
+
+@dataclass
+class EPKeys:
+    """The keys of an EP layer's case (`MoECase`)."""
+
+    ep: int  # the EP group size
+    layer_id: int  # the decoder layer: below num_hash_layers, hash routing
+    num_tokens: Optional[int]  # active tokens per rank; None: all T
+    balanced_routing: bool  # every expert gets exactly the same number of routes
+
+
+@dataclass
+class BlockKeys:
+    """The keys of the decoder layer's case (`layers.block.case.BlockCase`)."""
+
+    ep: int  # the world: the MoE's EP group size
+    tp: int  # the attention's TP group size (must divide ep)
+    attention: Optional[str]  # swa | csa | hca; None: by layer_id's place in the layer schedule
+    layer_id: Optional[int]  # the decoder layer; None: the attention kind's first (both None: layer 10)
+    local_t: Optional[int]  # attention tokens per rank; None: the capacity, at most the MoE's 128
+
+
+CASE_KEYS = {"tp": TPKeys, "ep": EPKeys, "block": BlockKeys}
 
 # Token counts are whole 8-row tiles (the reference's BIAS_T_TILE / VALID_TOKEN_TILE).
 TOKEN_TILE = 8
@@ -32,7 +68,7 @@ class Case:
     # None: the layer's canonical start set; an int: every request; a tuple: one start per
     # request of this rank (length batch) or of the whole TP group (length tp * batch).
     start_pos: int | tuple[int, ...] | None = None
-    # What the run validates: the whole layer, or one of the focused scopes (layers.scopes).
+    # What the run validates: the whole layer, or one of the focused scopes (layers.attention.scopes).
     scope: str = "full"
 
     @property
@@ -160,7 +196,7 @@ class MoECase:
     num_tokens: int | None = None
     balanced_routing: bool = False
     layer: str = "moe"
-    scope: str = "full"  # or "collectives": the two all-to-alls alone (layers.moe_collectives)
+    scope: str = "full"  # or "collectives": the two all-to-alls alone (layers.moe.collectives)
 
     # -- what every case tells the launcher -------------------------------------------------------
     @property

@@ -31,9 +31,10 @@ class Layer(abc.ABC):
     # local_t is whole requests in whole 8-row tiles; a scope over plain buffer rows (output,
     # collectives) takes any local_t in [1, capacity] (`Case.validate`).
     whole_requests: ClassVar[bool] = True
-    # Each rank computes the golden of its own shard alone (`golden`); a layer whose golden
-    # needs every rank's data (the MoE routes) computes it with its group (`golden_of_group`).
-    golden_per_rank: ClassVar[bool] = True
+    # A golden that reads every rank's data (the MoE routes, through the harness's all-gather:
+    # `rank_golden`) is computed by the group together, so the golden cache serves it only
+    # where every rank of the group holds its entry.
+    golden_reads_every_rank: ClassVar[bool] = False
     # The inputs (in-outs before the step included) every rank of a group holds alike in every
     # case: drawn from the seed and model alone, or from the group's whole batch. The golden
     # cache stores them once per group instead of once per rank.
@@ -58,18 +59,21 @@ class Layer(abc.ABC):
 
     def rank_inputs_and_full_o(self, case: Case, rank: int) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """`rank_inputs` and `full_o_weights` together, for a rank that computes its golden.
-        This default builds them apart; `layers.fixtures.o_weights` draws the O weights once."""
+        This default builds them apart; `layers.attention.o_weights` draws the O weights once."""
         return self.rank_inputs(case, rank), self.full_o_weights(case)
 
     @abc.abstractmethod
     def golden(self, case: Case, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The single-device layer on one rank's tensors of `case` with full O weights (the
-        reference's TP1 golden on that rank's shard); in-outs updated in place."""
+        """The golden on one process: the single-device layer on one rank's tensors of `case`
+        with full O weights (the reference's TP1 golden on that rank's shard); in-outs updated
+        in place. A golden that reads every rank's data takes the group's tensors stacked
+        [P, ...] and returns its outputs stacked so."""
 
-    def golden_of_group(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """With `golden_per_rank` False: this rank's golden outputs, computed by every rank of
-        the group together through the harness's own collectives (never the implementation's)."""
-        raise NotImplementedError(f"layer {self.name!r} computes its golden per rank")
+    def rank_golden(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's golden outputs in a launch: `golden` of the rank's own tensors. A layer
+        whose golden reads every rank's data overrides it to take that data through `ctx.group`
+        with the harness's own collectives (`layers.distributed.wire`), never the implementation's."""
+        return self.golden(ctx.case, tensors)
 
     @abc.abstractmethod
     def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from layers.contract.case import Case
 from layers.contract.checks import PoolCheck, RelDiffCheck
 from layers.contract.config import TINY
+from layers.contract.context import RankContext
 from layers.contract.tensors import Kind, TensorSpec
 from layers.distributed import wire
 from layers.registry import get_scope, validated
@@ -101,7 +102,7 @@ def _stacked_case(layer_name: str, scope: str):
             inputs, wo_full = layer.rank_inputs_and_full_o(case, rank)
         else:
             inputs, wo_full = layer.rank_inputs(case, rank), None
-        golden.append(golden_outputs(layer, case, inputs, wo_full))
+        golden.append(golden_outputs(layer, RankContext(case=case, rank=rank, device=torch.device("cpu")), inputs, wo_full))
         context.append({**{m: inputs[m] for m in mappings}, **{initial_key(n): inputs[n].clone() for n in inout}})
     stack = lambda per_rank: {n: torch.stack([d[n] for d in per_rank]) for n in per_rank[0]}  # noqa: E731
     golden, context = stack(golden), stack(context)

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from launcher.verify import build_comparator
-from layers import moe
-from layers.staged import run_stages
+from layers.moe import layer as moe
+from layers.contract.staged import run_stages
 from layers.contract.case import MoECase
 from layers.contract.config import TINY
 from layers.contract.context import RankContext
 from layers.distributed import ep, wire
-from layers.fixtures import moe as fixture
+from layers.distributed.golden_walk import golden_stage
+from layers.moe import fixture
 from layers.tp import TorchTP
 
 from .. import defects
@@ -61,11 +62,9 @@ def _job(rank: int, world: int, kw: dict, defect: str | None, defect_ranks: tupl
     case.validate()
     ctx = RankContext(case, rank, torch.device("cpu"), dist.group.WORLD if world > 1 else None)
     tensors = _tensors(case, rank, unused_expert)
-    sources = lambda s: fixture.source_inputs(case, s)  # noqa: E731
     # the golden first, from clones: the forward may not change what the golden read
-    gates = moe.golden_gates(case, tensors, sources)
-    recv_y = moe.golden_recv_y(case, rank, gates, tensors, case.active)
-    golden = moe.gather_golden(ctx, tensors, sources, gates, recv_y)
+    walked = run_stages(moe.LAYER.stages(ctx.model), ctx, {n: x.clone() for n, x in tensors.items()}, golden_stage)
+    golden = wire.gather(walked["x_next"], rank, world, ctx.group)
     inputs = {n: x.clone() for n, x in tensors.items()}
     if rank in past_num_tokens:
         inputs["num_tokens"] = torch.tensor(case.tokens, dtype=torch.int32)  # processes tokens t >= n
@@ -73,8 +72,7 @@ def _job(rank: int, world: int, kw: dict, defect: str | None, defect_ranks: tupl
     values = run_stages(moe.LAYER.stages(ctx.model), ctx, inputs, run_stage=impl.run_stage)
     actual = wire.gather(values["x_next"], rank, world, ctx.group)
     # the dispatch stage alone: pure data movement, so bitwise the golden's replay
-    replay = moe.golden_dispatch(case, rank, gates, case.active)
-    dispatch_exact = all(torch.equal(values[n], replay[n]) for n in ("recv_meta", "recv_x", "recv_aux", "recv_route"))
+    dispatch_exact = all(torch.equal(values[n], walked[n]) for n in ("recv_meta", "recv_x", "recv_aux", "recv_route"))
     return {"golden": golden, "actual": actual, "recv_count": values["recv_meta"].sum(0),
             "sent": int(values["send_meta"].sum()), "dispatch_exact": dispatch_exact}  # fmt: skip
 

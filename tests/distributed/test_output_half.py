@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layers import swa
+from layers.swa import layer as swa
 from layers.components import attention
 from layers.components import o_proj as output_half
 from layers.components.numerics import bf16

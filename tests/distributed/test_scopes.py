@@ -1,4 +1,4 @@
-"""The focused scopes (layers.scopes) and their stage-level comparators (launcher.verify.exact).
+"""The focused scopes (layers.attention.scopes) and their stage-level comparators (launcher.verify.exact).
 
 Every scope runs the worker's per-rank flow on real gloo ranks (tests.rank_harness) at tiny
 dims for tp 1, 2, 4 and 8, below capacity so that the poisoned and sentinel rows exist. The

@@ -16,8 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.verify.bisect import OUTPUTS_STAGE, bisect_rank, every_rank, gather_bisect, golden_chain, render
-from layers import hca, stages, swa, tp
+from launcher.verify.bisect import OUTPUTS_STAGE, bisect_rank, gather_bisect, golden_chain, render
+from layers.distributed.golden_walk import every_rank
+from layers import stages, tp
+from layers.hca import layer as hca
+from layers.swa import layer as swa
 from layers.components import attention, hc, qkv
 from layers.components import o_proj as output_half
 from layers.components.hca_compressor import rope_compressed

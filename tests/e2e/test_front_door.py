@@ -16,7 +16,7 @@ from launcher.report.exit_codes import EXIT_ERROR
 from ..conftest import REPO, run_cli
 
 # What a command that starts no rank must not import: torch, and a layer's compute module.
-HEAVY = ("torch", "layers.csa")
+HEAVY = ("torch", "layers.csa.layer")
 
 
 # `python -m MODULE` with every module this process imports logged on stderr. An audit hook,

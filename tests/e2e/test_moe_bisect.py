@@ -2,7 +2,7 @@
 tests/defects.py is located at its stage and rank, with moe.md §13.5's masks.
 
 The dispatch and combine are judged from every rank's own inputs by the spec's replay
-(`layers.moe.dispatch_reference`, `combine_reference`), never by the collectives under test.
+(`layers.moe.layer.dispatch_reference`, `combine_reference`), never by the collectives under test.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from launcher.verify import build_comparator
 from layers.contract.checks import ActiveRowsCheck, ExactCheck
 from layers.contract.config import TINY
 from layers.contract.case import MoECase
-from layers.moe import LAYER
+from layers.moe.layer import LAYER
 
 from .. import defects
 

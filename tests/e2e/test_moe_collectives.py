@@ -8,7 +8,7 @@ import pytest
 
 from layers.contract.case import MoECase
 from layers.contract.config import TINY
-from layers.moe_collectives import SENTINEL, MoECollectivesScope, source_inputs
+from layers.moe.collectives import SENTINEL, MoECollectivesScope, source_inputs
 
 from .. import defects
 

@@ -77,4 +77,4 @@ def test_bad_moe_keys_are_refused(tp_run, overrides, message):
 
 def test_moe_keys_on_an_attention_layer_are_refused(tp_run):
     run = tp_run(layer="swa", tp=2, model="tiny", overrides=["num_tokens=64"])
-    assert run.exit_code == 2 and "num_tokens=64 is a key of layer=moe" in run.report, run
+    assert run.exit_code == 2 and "num_tokens=64 does not apply to layer=swa: num_tokens is a key of layer=moe" in run.report, run

@@ -20,6 +20,7 @@ from launcher.report.compare import render as render_comparison
 from launcher.report.sweep import case_name, job_row
 from launcher.run.preflight import preflight
 from launcher.store import golden_cache
+from launcher.store.snapshot_layer import with_snapshot_layer
 from layers.contract.config import ConfigError
 from layers.registry import get_layer
 
@@ -29,10 +30,12 @@ LAYERS = ["swa", "csa", "hca"]
 
 
 def _preflight(*overrides: str):
-    """The preflight of a command line (its overrides say what the user gave)."""
+    """The preflight of a command line (its overrides say what the user gave), composed as the
+    command line composes it: with the replayed snapshot's layer group."""
+    overrides = with_snapshot_layer(overrides)
     with initialize_config_module(config_module="configs", version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return preflight(cfg, "/nonexistent", list(overrides))
+        cfg = compose(config_name="config", overrides=overrides)
+    return preflight(cfg, "/nonexistent", overrides)
 
 
 def _refused(*overrides: str) -> str:

@@ -280,20 +280,18 @@ def test_each_rank_stage_has_its_wall_and_its_cpu_time(tp_run):
     assert "<th>CPU s</th>" in page.split('id="stage-times"')[1].split("</table>")[0]
 
 
-def _bench_script(monkeypatch):
-    import importlib.util
+def _bench_module(monkeypatch, name: str):
+    """One of scripts/bench.py's modules, imported as bench.py imports it (from scripts/)."""
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
-    return bench
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    return importlib.import_module(name)
 
 
 def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
-    """scripts/bench.py's scaling plot: wall time against tp and against local_t, drawn by matplotlib."""
+    """scripts/bench_report.py's scaling plot: wall time against tp and against local_t, drawn by matplotlib."""
     pytest.importorskip("matplotlib")
-    bench = _bench_script(monkeypatch)
+    bench = _bench_module(monkeypatch, "bench_report")
     scaling = {"tp": {"tiny swa": {1: 1.6, 2: 1.8, 4: 2.0, 8: 2.2}, "flash csa": {1: 4.0, 2: 5.0, 4: 8.6, 8: 17.1}},
                "local_t": {"tiny swa": {8: 1.7, 16: 1.8}, "flash csa": {16: 4.4, 64: 5.0, 256: 8.9}}}
     fig = bench.scaling_figure(scaling)
@@ -308,8 +306,8 @@ def test_bench_scaling_plot_has_both_panels_on_log_axes(monkeypatch):
 
 
 def test_bench_sweep_phases_cut_at_each_jobs_first_and_last_event(monkeypatch):
-    """scripts/bench.py's sweep breakdown: start-up, the jobs' stages, between jobs, exit."""
-    bench = _bench_script(monkeypatch)
+    """scripts/bench_runs.py's sweep breakdown: start-up, the jobs' stages, between jobs, exit."""
+    bench = _bench_module(monkeypatch, "bench_runs")
     ev = lambda t: {"t": t}  # noqa: E731
     run = bench.SweepRun(wall_s=10.0, started=100.0, jobs=[[ev(102.0), ev(101.5), ev(103.0)], [ev(103.5), ev(106.0)]])
     phases = run.phases()
@@ -320,7 +318,8 @@ def test_bench_sweep_phases_cut_at_each_jobs_first_and_last_event(monkeypatch):
 def test_bench_counts_the_machines_busy_time_and_the_sweeps_cpu_budget(monkeypatch):
     """scripts/bench.py's CPU figures: /proc/stat's busy time covers a CPU-bound child, and
     the sweep table sets the two sides' CPU against what the target's wall would offer."""
-    bench = _bench_script(monkeypatch)
+    bench = _bench_module(monkeypatch, "bench_runs")
+    report = _bench_module(monkeypatch, "bench_report")
     if bench._busy_core_s() is None:
         pytest.skip("no /proc/stat")
     before = bench._busy_core_s()
@@ -329,28 +328,28 @@ def test_bench_counts_the_machines_busy_time_and_the_sweeps_cpu_budget(monkeypat
     assert bench._busy_since(before) >= 0.45  # the child's own CPU at least: every process counts
     figures = {"one_s": 2.0, "warm_s": 3.5, "cold_s": 4.0, "ratio": 1.75, "target": 1.5, "cold_ratio": 2.0,
                "one_busy_core_s": 3.4, "warm_busy_core_s": 6.6}
-    rows = bench.report_sweep(figures).splitlines()
+    rows = report.report_sweep(figures).splitlines()
     cores = bench.CORES
     assert f"| CPU of the one run (busy core-s of the {cores * 2.0:.2f} its wall offered) | 3.40 |" in rows
     assert f"| CPU of the sweep (busy core-s of the {cores * 3.5:.2f} its wall offered) | 6.60 |" in rows
     assert f"| core-s a sweep at the target could use at most ({cores} cores x 1.5 x one run) | {cores * 3.0:.2f} |" in rows
-    assert not any("CPU" in row for row in bench.report_sweep({**figures, "warm_busy_core_s": None}).splitlines())
+    assert not any("CPU" in row for row in report.report_sweep({**figures, "warm_busy_core_s": None}).splitlines())
     assert not any("golden cache" in row for row in rows)  # a bench.json from before the warm-cache pair
-    cached = bench.report_sweep({**figures, "one_cached_s": 1.9, "warm_cached_s": 3.1, "cached_ratio": 1.63})
+    cached = report.report_sweep({**figures, "one_cached_s": 1.9, "warm_cached_s": 3.1, "cached_ratio": 1.63})
     assert "| with a filled golden cache: one run / the sweep | 1.90 / 3.10 |" in cached.splitlines()
     assert "| ratio with a filled golden cache | 1.63 |" in cached.splitlines()
     assert not any("stage CPU" in row for row in rows)  # a bench.json from before the ranks' CPU
-    stages = bench.report_sweep({**figures, "one_stage_cpu_s": 0.5, "warm_stage_cpu_s": 2.5}).splitlines()
+    stages = report.report_sweep({**figures, "one_stage_cpu_s": 0.5, "warm_stage_cpu_s": 2.5}).splitlines()
     assert "| the ranks' CPU in their stages (fixture .. compare), core-s: one run / the sweep | 0.50 / 2.50 |" in stages
     assert (f"| the sweep's extra jobs' stage CPU over {cores} cores (their wall at best) / the target's room "
             f"(0.5 x one run), s | {2.0 / cores:.2f} / 1.00 |") in stages
-    cached = bench.report_sweep({**figures, "one_cached_s": 1.9, "warm_cached_s": 3.1, "cached_ratio": 1.63,
+    cached = report.report_sweep({**figures, "one_cached_s": 1.9, "warm_cached_s": 3.1, "cached_ratio": 1.63,
                                  "one_cached_stage_cpu_s": 0.3, "warm_cached_stage_cpu_s": 1.5}).splitlines()
     assert (f"| the sweep's extra jobs' stage CPU over {cores} cores (their wall at best), filled golden cache / "
             f"the target's room (0.5 x one run), s | {1.2 / cores:.2f} / 0.95 |") in cached
     assert not any("around the ranks' stages" in row for row in rows)  # no phases given
     phases = {"start-up": 1.5, "stages": 1.0, "between jobs": 0.75, "exit": 0.25}
-    around = bench.report_sweep({**figures, "phases": phases, "one_phases": {**phases, "stages": 0.5}}).splitlines()
+    around = report.report_sweep({**figures, "phases": phases, "one_phases": {**phases, "stages": 0.5}}).splitlines()
     assert ("| the launcher's time around the ranks' stages, s: one run / the sweep (wall less the stages) "
             "| 1.50 / 2.50 |") in around
     assert "| ratio of the two | 1.67 |" in around

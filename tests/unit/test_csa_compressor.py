@@ -1,7 +1,7 @@
 """The CSA ratio-4 compressor against a loop re-statement of csa.md §4.5 (and its §9 pitfalls).
 
 The naive step below walks requests and positions one by one with the state as a plain row
-table, exactly as the spec text reads; the code under test is `layers.csa.compressor_rows`
+table, exactly as the spec text reads; the code under test is `layers.csa.layer.compressor_rows`
 (vectorized per step, a loop over requests only) with the commit of `layers.components.csa_compressor`.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layers import csa
+from layers.csa import layer as csa
 from layers.components import csa_compressor
-from layers.fixtures import csa as csa_fixture
+from layers.csa import fixture as csa_fixture
 from layers.components import metadata
 from layers.contract.case import Case
 from layers.contract.config import TINY

@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from layers import csa
+from layers.csa import layer as csa
 from layers.components import o_proj as output_half
 from layers.contract.tensors import Kind
 from layers.contract.case import Case

@@ -13,9 +13,8 @@ import math
 import pytest
 import torch
 
-from layers.fixtures import csa as csa_fixture
-from layers.components import indexer
-from layers.components import rope
+from layers.csa import fixture as csa_fixture
+from layers.components import indexer, rope
 from layers.contract.case import Case
 from layers.contract.config import TINY
 from layers.components.numerics import bf16

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layers import csa
+from layers.csa import layer as csa
 from layers.components import hc, qkv
 from layers.components.numerics import bf16
 from layers.contract.case import Case
@@ -19,7 +19,7 @@ from layers.contract.checks import PoolCheck, RelDiffCheck
 from layers.contract.config import FLASH, SMALL, TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
-from layers.fixtures import csa as csa_fixture
+from layers.csa import fixture as csa_fixture
 from layers.registry import validated
 
 from .. import defects

@@ -15,10 +15,10 @@ from layers.components import numerics
 from layers.components.numerics import quant_weight_int8, quantize_weight_int8, weight_amax
 from layers.contract.case import Case, MoECase
 from layers.contract.config import TINY
-from layers.fixtures import csa as csa_fixture
+from layers.csa import fixture as csa_fixture
 from layers.fixtures import draw
 from layers.fixtures.kept import forget_kept_weights
-from layers.fixtures import moe as moe_fixture
+from layers.moe import fixture as moe_fixture
 from layers.registry import get_layer
 
 SHAPES = [(), (3,), (16,), (17,), (5, 7), (33, 1000), (4, 1025), (8, 32, 1, 64), (300, 1), (2, 3, 70001)]

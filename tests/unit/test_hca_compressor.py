@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from layers.fixtures import hca as hca_fixture
+from layers.hca import fixture as hca_fixture
 from layers.components import hca_compressor
 from layers.contract.case import Case
 from layers.contract.config import TINY

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from layers.registry import validated
-from layers import hca
-from layers.fixtures import hca as hca_fixture
+from layers.hca import layer as hca
+from layers.hca import fixture as hca_fixture
 from layers.contract.tensors import Kind
 from layers.contract.case import Case
 from layers.contract.config import SMALL

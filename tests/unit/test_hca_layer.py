@@ -12,14 +12,14 @@ import math
 import pytest
 import torch
 
-from layers import hca
+from layers.hca import layer as hca
 from layers.components import attention, metadata, rope
 from layers.contract.case import Case
 from layers.contract.checks import PoolCheck, RelDiffCheck
 from layers.contract.config import TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
-from layers.fixtures import hca as hca_fixture
+from layers.hca import fixture as hca_fixture
 from layers.registry import validated
 
 from .. import defects

@@ -10,8 +10,10 @@ import pytest
 from layers.contract.case import Case
 from layers.contract.config import TINY
 from layers.contract.tensors import tensor_sha256
-from layers.fixtures import csa, hca, swa
-from layers.fixtures.kept import forget_kept_weights
+from layers.csa import fixture as csa
+from layers.hca import fixture as hca
+from layers.swa import fixture as swa
+from layers.fixtures.kept import forget_kept_weights, kept_sha256
 
 WEIGHTS = {"swa": swa.replicated_weights, "csa": csa.replicated_weights, "hca": hca._replicated_weights}
 
@@ -68,3 +70,12 @@ def test_a_process_keeps_one_draw():
     first = swa.replicated_weights(case)
     csa.replicated_weights(dataclasses.replace(case, layer="csa"))  # another layer's weights replace them
     assert swa.replicated_weights(case)["wq_a"] is not first["wq_a"]
+
+
+def test_the_digest_of_a_kept_tensor_is_its_own_and_no_copy_has_one():
+    case = Case("csa", TINY, 2, 16, 11)
+    weights = csa.replicated_weights(case)
+    assert {n: kept_sha256(t) for n, t in weights.items()} == _digests(weights)
+    assert kept_sha256(weights["wq_a"].clone()) is None
+    forget_kept_weights()
+    assert kept_sha256(weights["wq_a"]) is None  # no longer kept: the caller hashes it

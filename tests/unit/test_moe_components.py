@@ -15,14 +15,14 @@ import torch
 
 from .. import moe_snapshot
 from ..conftest import peer_snapshot
-from layers import moe
+from layers.moe import layer as moe
 from layers.components import moe as moe_math
 from layers.components import moe_routing as routing
 from layers.components.numerics import bf16, f32
 from layers.contract.case import MoECase
 from layers.contract.config import FLASH, PRESETS, SMALL, TINY, ConfigError
 from layers.contract.tensors import Kind
-from layers.fixtures import moe as fixture
+from layers.moe import fixture
 
 
 @pytest.fixture

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from layers.registry import validated
-from layers import swa
+from layers.swa import layer as swa
 from layers.components.kv_cache import write_rows
 from layers.contract.case import Case
 from layers.contract.config import SMALL, TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
-from layers.fixtures import swa as swa_fixture
+from layers.swa import fixture as swa_fixture
 from layers.tp import TorchTP
 
 from .. import defects

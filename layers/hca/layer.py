@@ -1,11 +1,11 @@
 """The HCA decode layer (compress ratio 128) as its stage list (spec hca.md §4, §7.1).
 
-One rank's step, in order: hc_pre, RMSNorm, Q/KV projection with RoPE (`layers.front`), the
+One rank's step, in order: hc_pre, RMSNorm, Q/KV projection with RoPE (`layers.attention.front`), the
 ratio-128 compressor (§4.4, `layers.components.hca_compressor`), the raw KV write (§4.5),
 sparse attention over the window and the committed compressed rows (§4.6), then the packing,
-the TP output half and hc_post (`layers.output_half`). The golden runs the same list on a
+the TP output half and hc_post (`layers.attention.output_half`). The golden runs the same list on a
 single device with the full O weights (§4); the fixture and host metadata are
-`layers.fixtures.hca`.
+`layers.hca.fixture`.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from typing import Callable
 
 import torch
 
-from . import front, output_half
-from .attention_layer import AttentionLayer
-from .components import attention, hca_compressor, metadata
-from .components.kv_cache import write_rows
-from .contract.case import Case
-from .contract.checks import Check, PoolCheck, RelDiffCheck
-from .contract.config import ConfigError, ModelConfig, ceil_div
-from .contract.context import RankContext
-from .contract.stage import Stage, Values
-from .contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
-from .fixtures import hca as fixture
-from .staged import bf16_close, exact, judged, pool_written
+from ..attention import front, output_half
+from ..attention.layer import AttentionLayer
+from ..components import attention, hca_compressor, metadata
+from ..components.kv_cache import write_rows
+from ..contract.case import Case
+from ..contract.checks import Check, PoolCheck, RelDiffCheck
+from ..contract.config import ConfigError, ModelConfig, ceil_div
+from ..contract.context import RankContext
+from ..contract.stage import Stage, Values
+from ..contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from . import fixture
+from ..contract.staged import bf16_close, exact, judged, pool_written
 
 RATIO = hca_compressor.COMPRESS_RATIO
 

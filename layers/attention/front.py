@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from .components import hc, qkv
-from .contract.checks import AllcloseCheck
-from .contract.context import RankContext
-from .contract.stage import Stage, Values
-from .staged import bf16_close, fp32_close, judged
+from ..components import hc, qkv
+from ..contract.checks import AllcloseCheck
+from ..contract.context import RankContext
+from ..contract.stage import Stage, Values
+from ..contract.staged import bf16_close, fp32_close, judged
 
 QKV_WEIGHTS = ("wq_a", "wq_b", "wq_b_scale", "wkv", "gamma_cq", "gamma_ckv")
 

@@ -64,18 +64,19 @@ from typing import ClassVar
 
 import torch
 
-from . import output_half, swa
-from .components import o_proj
-from .components.numerics import bf16
-from .contract.case import Case
-from .contract.checks import AllcloseCheck, Check, ExactCheck, PrefixTailCheck
-from .contract.config import ConfigError, ModelConfig, ceil_div
-from .contract.context import RankContext
-from .contract.layer import Layer
-from .contract.stage import Stage, Values
-from .contract.tensors import Kind, TensorSpec
-from .distributed import collectives
-from .staged import RunStage, StagedLayer, bf16_close, default_run_stage, exact, fp32_close, judged
+from . import output_half
+from ..swa import layer as swa
+from ..components import o_proj
+from ..components.numerics import bf16
+from ..contract.case import Case
+from ..contract.checks import AllcloseCheck, Check, ExactCheck, PrefixTailCheck
+from ..contract.config import ConfigError, ModelConfig, ceil_div
+from ..contract.context import RankContext
+from ..contract.layer import Layer
+from ..contract.stage import Stage, Values
+from ..contract.tensors import Kind, TensorSpec
+from ..distributed import collectives
+from ..contract.staged import RunStage, StagedLayer, bf16_close, default_run_stage, exact, fp32_close, judged
 
 SENTINEL = -7.0  # every output row no valid destination reaches (swa.md §9.2, §9.4)
 KV_POISON, ATTENTION_POISON, PARTIAL_POISON = -1000.0, -2000.0, -3000.0  # capacity rows of the inputs

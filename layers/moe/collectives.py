@@ -39,15 +39,15 @@ from __future__ import annotations
 
 import torch
 
-from . import moe
-from .components.moe_routing import replay_dispatch
-from .contract.case import MoECase
-from .contract.checks import Check, ExactCheck
-from .contract.context import RankContext
-from .contract.stage import Stage, Values
-from .contract.tensors import Kind, TensorSpec
-from .fixtures import draw
-from .staged import RunStage, StagedLayer, default_run_stage, exact, judged, run_stages
+from . import layer as moe
+from ..components.moe_routing import replay_dispatch
+from ..contract.case import MoECase
+from ..contract.checks import Check, ExactCheck
+from ..contract.context import RankContext
+from ..contract.stage import Stage, Values
+from ..contract.tensors import Kind, TensorSpec
+from ..fixtures import draw
+from ..contract.staged import RunStage, StagedLayer, default_run_stage, exact, judged, run_stages
 
 SENTINEL = -7
 CODE_POISON, SCALE_POISON, WEIGHT_POISON = -100, -1000.0, -2000.0  # an inactive token's payload

@@ -1,31 +1,19 @@
-"""The MoE decode layer run expert-parallel: stages, golden and EP forward (spec moe.md).
+"""The MoE decode layer run expert-parallel: its stages, golden and EP forward (spec moe.md).
 
-Owns the layer's tensor inventory (§2, one rank), its stages in the spec's order (§3) —
+Owns the layer's tensor inventory (§2, one rank) and its stages in the spec's order (§3) —
 hc_pre, gate, shared_expert, dispatch (count exchange + int8 all-to-all-v), routed_experts,
 combine (all-to-all-v with swapped splits), reduce, hc_post — each a small function
 `stage(ctx, values) -> {written tensors}` over the spec's tensor names, listed with what it
-reads and writes as the layer's stage list (`MoELayer.stages`); the EP forward of one rank
-(`moe_forward`, the stages in order); the two all-to-alls replayed from every rank's inputs
-(`dispatch_reference`, `combine_reference`: bisect's judges of those stages); and the golden
-of §4, which never runs the collectives under test. `MoELayer` is the layer as the launcher
-runs it (`layer=moe ep=P`).
+reads and writes as the layer's stage list (`MoELayer.stages`). The EP forward is that list on
+the rank's EP group (`StagedLayer.forward`). The two all-to-alls also have a `reference`
+replayed from every rank's inputs (`dispatch_reference`, `combine_reference`, §4.4 / §3.2).
 
-The golden, per rank with bounded memory (§4, §13.4). Routed weights are the bulk of a rank
-(3 × 128 MiB int8 at flash) and are drawn by their owner only, so the routed rows are
-computed where the experts live:
-
-1. `golden_gates` (every rank): hc_pre and the gate of *every* source rank, from the
-   replicated weights and each source's own x_hc and input_ids (rebuilt by key, or sliced
-   from a snapshot). Cheap (the gate is a [T, D] × [D, E] GEMM) and it makes every rank know
-   every route;
-2. `golden_recv_y` (rank d): the §4.4 replay of the routes d's experts receive and the routed
-   experts on them, one GEMM chain per expert over all its rows in the golden's order —
-   the batching of the reference, hence its bits (pitfall 10);
-3. `gather_golden` (the harness's trusted gather, not under test) brings every rank's
-   recv_y to rank 0, which runs `golden_x_next`: per source, the shared expert, the combine
-   replay, the reduce and hc_post → the stacked x_next [P, T, 4, D].
-
-`golden_moe` is the same three steps in one process over stacked inputs (snapshots, tests).
+The golden (§4) is the same stage list with each all-to-all by its reference, so it never
+runs the collectives under test (`layers.distributed.golden_walk`): on one process over every
+rank's stacked tensors (`MoELayer.golden`: snapshots, tests), or on each rank with its group,
+whose harness all-gather brings every rank's gate outputs and receive rows to the references
+(`MoELayer.rank_golden`: the launcher's). A rank thus computes the routed rows of its own
+experts only, and routed weights (3 × 128 MiB int8 per rank at flash) stay with their owner.
 
 Why the routed rows are batched per expert, in fp32 with dequantized weights (measured on
 the 2-core CPU, MKL AVX2 strict, against the reference snapshot moe-ep2-small): this golden
@@ -35,32 +23,31 @@ when computed one by one), so a golden that computes each route alone, on its so
 not the reference's. The device's exact int8 × int8 GEMMs (§5) would make every row
 batch-independent, but they are not the golden's arithmetic: x_next moves by up to 8e-5
 (never bitwise) and, with K = D = 4096 past fp32's exact range, they run in fp64, 3× slower
-per flash expert (0.9 s vs 0.3 s). Batching at the experts' owner gives the reference's
-bits and keeps every weight on one rank.
+per flash expert (0.9 s vs 0.3 s). Batching at the experts' owner (the dispatch reference
+hands every expert all its rows in the golden's order) gives the reference's bits and keeps
+every weight on one rank.
 """
-
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
-from .components import hc
-from .components import moe as moe_math
-from .components import moe_routing as routing
-from .contract.case import MoECase
-from .contract.checks import ActiveRowsCheck, AllcloseCheck, RelDiffCheck
-from .contract.config import ConfigError
-from .contract.context import RankContext
-from .contract.stage import Stage
-from .contract.tensors import Kind, TensorSpec
-from .distributed import ep, wire
-from .fixtures import moe as fixture
-from .staged import StagedLayer, bf16_close, exact, fp32_close, judged, run_stages
+from ..components import hc
+from ..components import moe as moe_math
+from ..components import moe_routing as routing
+from ..contract.case import MoECase
+from ..contract.checks import ActiveRowsCheck, AllcloseCheck, RelDiffCheck
+from ..contract.config import ConfigError
+from ..contract.context import RankContext
+from ..contract.stage import Stage
+from ..contract.tensors import Kind, TensorSpec
+from ..distributed import ep
+from ..distributed.golden_walk import golden_stage, walk_group
+from . import fixture
+from ..contract.staged import StagedLayer, bf16_close, exact, fp32_close, judged, run_stages
 
 Values = Mapping[str, torch.Tensor]
-# A source rank's own inputs (x_hc, input_ids) by rank: a fixture's keyed draw or a snapshot slice.
-Sources = Callable[[int], Mapping[str, torch.Tensor]]
 
 DISPATCH_RECEIVED = ("recv_meta", "recv_x", "recv_aux", "recv_route")
 ROUTED = ("routed_w1", "routed_w1_scale", "routed_w3", "routed_w3_scale", "routed_w2", "routed_w2_scale")
@@ -228,38 +215,11 @@ def _stages(model) -> tuple[Stage, ...]:
     )  # fmt: skip
 
 
-def moe_forward(ctx: RankContext, tensors: Values) -> dict[str, torch.Tensor]:
-    """The EP forward of one rank (§3): the stages in order. Returns `{"x_next"}`.
-
-    At ep = 1 the collectives are identities and the result is the golden's bit for bit; at
-    any ep it is too, as every rank batches its experts' rows in the golden's order.
-    """
-    return {"x_next": run_stages(_stages(ctx.model), ctx, tensors)["x_next"]}
-
-
-# -- the golden (§4) ---------------------------------------------------------------------------
-
-
-def golden_gates(case: MoECase, tensors: Values, sources: Sources) -> dict[str, torch.Tensor]:
-    """§4.1–4.2 for every source rank, stacked [P, ...]: x_norm_i8, x_norm_scale, indices,
-    weights, post, comb. `tensors` supplies the replicated weights and the scalars."""
-    m, layer_id, n = case.model, int(tensors["layer_id"]), int(tensors["num_tokens"])
-    parts: dict[str, list[torch.Tensor]] = {}
-    for s in range(case.ep):
-        src = sources(s)
-        x_mixed, post, comb = hc.hc_pre(src["x_hc"], tensors["hc_ffn_fn"], tensors["hc_ffn_scale"], tensors["hc_ffn_base"], m)
-        x_norm_i8, x_norm_scale, indices, weights = moe_math.gate(
-            x_mixed, tensors["norm_w"], tensors["gate_w"], tensors["gate_bias"], tensors["tid2eid"], src["input_ids"],
-            layer_id, n, m,
-        )  # fmt: skip
-        for name, x in (("x_norm_i8", x_norm_i8), ("x_norm_scale", x_norm_scale), ("indices", indices),
-                        ("weights", weights), ("post", post), ("comb", comb)):  # fmt: skip
-            parts.setdefault(name, []).append(x)
-    return {name: torch.stack(xs) for name, xs in parts.items()}
+# -- the dispatch replay (§4.4) -------------------------------------------------------------------
 
 
 def golden_dispatch(case: MoECase, dst: int, gates: Values, num_tokens: int) -> dict[str, torch.Tensor]:
-    """§4.4 on rank `dst`, from every source's gate outputs (`golden_gates`): the dispatch
+    """§4.4 on rank `dst`, from every source's gate outputs stacked [P, ...]: the dispatch
     stage's outputs recv_meta [P, L], recv_x [R, D] int8, recv_aux [R, 2] fp32 and recv_route
     [R] int32 (expert-major, then source, then ρ), plus recv_src [R] (each row's source)."""
     k = case.model.num_experts_per_tok
@@ -270,84 +230,20 @@ def golden_dispatch(case: MoECase, dst: int, gates: Values, num_tokens: int) -> 
             "recv_route": route_id.to(torch.int32), "recv_src": route_src}  # fmt: skip
 
 
-def golden_recv_y(case: MoECase, dst: int, gates: Values, routed: Values, num_tokens: int) -> torch.Tensor:
-    """§4.4–4.5 on rank `dst`: the routed outputs of every route its experts receive, recv_y
-    [R_d, D] bf16 in `golden_dispatch`'s order. `routed` holds dst's routed_w* [L, ...]."""
-    r = golden_dispatch(case, dst, gates, num_tokens)
-    return moe_math.routed_experts(r["recv_meta"].sum(dim=0), r["recv_x"], r["recv_aux"], *(routed[n] for n in ROUTED), case.model)
-
-
-def golden_x_next(
-    case: MoECase, tensors: Values, sources: Sources, gates: Values, recv_ys: list[torch.Tensor]
-) -> torch.Tensor:
-    """§4.3, §4.6–4.7 for every source: the stacked golden x_next [P, T, 4, D] fp32.
-
-    `recv_ys[d]` is `golden_recv_y(case, d, …)` (rows past its R_d, e.g. gather padding, are
-    ignored); `tensors` supplies the shared expert and the scalars."""
-    m, n, p = case.model, int(tensors["num_tokens"]), case.ep
-    replays = [routing.replay_dispatch(d, gates["indices"], n, case.local_experts) for d in range(p)]
-    x_next = torch.empty(p, case.tokens, m.hc_mult, m.hidden_size, dtype=torch.float32)
-    for s in range(p):
-        sh = moe_math.shared_expert(gates["x_norm_i8"][s], gates["x_norm_scale"][s], *(tensors[n] for n in SHARED), m)
-        routed_y_buf = routing.replay_combine(s, case.tokens, m.num_experts_per_tok, replays, recv_ys)
-        ffn_out = moe_math.reduce(sh, routed_y_buf, n)
-        x_next[s] = hc.hc_post(ffn_out, sources(s)["x_hc"], gates["post"][s], gates["comb"][s])
-    return x_next
-
-
-def golden_moe(case: MoECase, stacked: Values) -> torch.Tensor:
-    """The whole §4 golden in one process over rank-stacked inputs (a snapshot's `in/`):
-    x_next [P, T, 4, D] fp32. Replicated tensors are read from rank 0's slice; scalars are 0-dim."""
-    rank0 = {n: (x if x.dim() == 0 else x[0]) for n, x in stacked.items()}
-    sources = lambda s: {"x_hc": stacked["x_hc"][s], "input_ids": stacked["input_ids"][s]}  # noqa: E731
-    gates = golden_gates(case, rank0, sources)
-    n = int(rank0["num_tokens"])
-    recv_ys = [golden_recv_y(case, d, gates, {w: stacked[w][d] for w in ROUTED}, n) for d in range(case.ep)]
-    return golden_x_next(case, rank0, sources, gates, recv_ys)
-
-
-def recv_rows(case: MoECase, gates: Values, num_tokens: int) -> list[int]:
-    """R_d, the routes every destination d receives (known to every rank from the gates)."""
-    n = moe_math.active_tokens(num_tokens, case.tokens)
-    eid = gates["indices"][:, :n].reshape(-1).long()
-    return torch.bincount(eid // case.local_experts, minlength=case.ep).tolist()
-
-
-def gather_golden(ctx: RankContext, tensors: Values, sources: Sources, gates: Values, recv_y: torch.Tensor) -> torch.Tensor | None:
-    """Step 3 of the per-rank golden: the harness's gather of every rank's recv_y to rank 0
-    (padded to the largest R_d, which every rank knows from the gates), then `golden_x_next`.
-    Returns the stacked x_next on rank 0, None elsewhere."""
-    case = ctx.case
-    rows = recv_rows(case, gates, int(tensors["num_tokens"]))
-    if max(rows) == 0:  # no route anywhere (num_tokens = 0): nothing to gather
-        if ctx.rank != 0:
-            return None
-        every = torch.empty(case.ep, 0, recv_y.shape[1], dtype=recv_y.dtype)
-    else:
-        padded = torch.zeros(max(rows), recv_y.shape[1], dtype=recv_y.dtype)
-        padded[: recv_y.shape[0]] = recv_y
-        every = wire.gather(padded, ctx.rank, case.ep, ctx.group)
-        del padded
-        if every is None:
-            return None
-    return golden_x_next(case, tensors, sources, gates, [every[d, : rows[d]] for d in range(case.ep)])
-
-
 __all__ = [
-    "tensor_specs", "checks", "MoELayer", "LAYER", "moe_forward",
+    "tensor_specs", "checks", "MoELayer", "LAYER",
     "hc_pre", "gate", "shared_expert", "dispatch", "routed_experts", "combine", "reduce", "hc_post",
-    "dispatch_reference", "combine_reference",
-    "golden_gates", "golden_dispatch", "golden_recv_y", "golden_x_next", "golden_moe", "recv_rows", "gather_golden",
+    "dispatch_reference", "combine_reference", "golden_dispatch",
 ]  # fmt: skip
 
 
 class MoELayer(StagedLayer):
-    """The MoE layer for the launcher: its stages, its fixture slice, and a golden the group
-    computes together (every rank's routes reach every rank's experts, moe.md §13.4)."""
+    """The MoE layer for the launcher: its stages, its fixture slice, and a golden that needs
+    every rank's routes (every rank's routes reach every rank's experts, moe.md §13.4)."""
 
     name = "moe"
     sharded_o_weights = False
-    golden_per_rank = False
+    golden_reads_every_rank = True
     # The fixture's `replicated_inputs`: the hc and norm weights, the gate, the shared expert.
     replicated_inputs = frozenset({
         "hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base", "norm_w", "gate_w", "gate_bias", "tid2eid", "shared_w1",
@@ -373,23 +269,19 @@ class MoELayer(StagedLayer):
     def checks(self, case: MoECase) -> tuple[RelDiffCheck, ...]:
         return checks(case)
 
-    def golden(self, case, tensors):
-        raise NotImplementedError("the MoE golden needs every rank's routes: golden_of_group")
+    def golden(self, case: MoECase, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """§4 on one process: the stage list over every rank's tensors stacked [P, ...] (a
+        snapshot's in/; 0-dim scalars are every rank's), each all-to-all by its reference.
+        Returns x_next stacked [P, T, 4, D] fp32."""
+        ranks = [{n: x if x.dim() == 0 else x[r] for n, x in tensors.items()} for r in range(case.ep)]
+        values = walk_group(self.stages(case.model), RankContext(case=case, rank=0, device=torch.device("cpu")), ranks)
+        return {n: torch.stack([v[n] for v in values]) for n in self.compared_names(case)}
 
-    def golden_of_group(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The per-rank golden of the module docstring: every source's gates from every rank's
-        x_hc and input_ids (the harness's all-gather), this rank's experts' rows, rank 0's
-        assembly of every rank's x_next; each rank gets its own slice back."""
-        case, p = ctx.case, ctx.case.ep
-        every_x_hc = wire.all_gather(tensors["x_hc"], ctx.group, p)
-        every_ids = wire.all_gather(tensors["input_ids"], ctx.group, p)
-        sources = lambda s: {"x_hc": every_x_hc[s], "input_ids": every_ids[s]}  # noqa: E731
-        gates = golden_gates(case, tensors, sources)
-        recv_y = golden_recv_y(case, ctx.rank, gates, {w: tensors[w] for w in ROUTED}, int(tensors["num_tokens"]))
-        stacked = gather_golden(ctx, tensors, sources, gates, recv_y)
-        shape = (p, case.tokens, case.model.hc_mult, case.model.hidden_size)
-        every = wire.broadcast(stacked, shape, torch.float32, ctx.rank, p, ctx.group)
-        return {"x_next": every[ctx.rank].clone()}
+    def rank_golden(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's golden: the stage list with its group, each all-to-all by its reference
+        over every rank's inputs, which the harness's all-gather brings (moe.md §13.4)."""
+        values = run_stages(self.stages(ctx.model), ctx, tensors, golden_stage)
+        return {n: values[n] for n in self.compared_names(ctx.case)}
 
 
 LAYER = MoELayer()

@@ -1,7 +1,7 @@
 """What the three attention layers share beyond their stages: the O weights of the fixture.
 
 An attention layer's fixture is the rank's tensors (`inputs_without_o`) plus its shard of the
-O weights drawn from the layer's `o_recipe` (`layers.fixtures.o_weights`). A rank that
+O weights drawn from the layer's `o_recipe` (`layers.attention.o_weights`). A rank that
 computes its golden needs the full weights too: `rank_inputs_and_full_o` draws them once and
 slices the shard from them.
 """
@@ -13,11 +13,11 @@ from typing import ClassVar
 
 import torch
 
-from .contract.case import Case
-from .contract.config import ConfigError
-from .contract.tensors import Kind
-from .fixtures.o_weights import OWeightRecipe, shard_of
-from .staged import StagedLayer
+from ..contract.case import Case
+from ..contract.config import ConfigError
+from ..contract.tensors import Kind
+from .o_weights import OWeightRecipe, shard_of
+from ..contract.staged import StagedLayer
 
 
 class AttentionLayer(StagedLayer):

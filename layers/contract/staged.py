@@ -25,12 +25,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from .contract.case import Case
-from .contract.checks import AllcloseCheck, Check, ExactCheck, PoolCheck
-from .contract.config import ModelConfig
-from .contract.context import RankContext
-from .contract.layer import Layer
-from .contract.stage import Stage, StageOutput, Values
+from .case import Case
+from .checks import AllcloseCheck, Check, ExactCheck, PoolCheck
+from .config import ModelConfig
+from .context import RankContext
+from .layer import Layer
+from .stage import Stage, StageOutput, Values
 
 RunStage = Callable[[Stage, RankContext, Values], dict[str, torch.Tensor]]
 

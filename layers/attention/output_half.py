@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from .components import attention, hc, o_proj
-from .components.numerics import bf16
-from .contract.checks import AllcloseCheck, Check
-from .contract.context import RankContext
-from .contract.stage import Stage, Values
-from .distributed import collectives
-from .staged import bf16_close, exact, fp32_close, judged
+from ..components import attention, hc, o_proj
+from ..components.numerics import bf16
+from ..contract.checks import AllcloseCheck, Check
+from ..contract.context import RankContext
+from ..contract.stage import Stage, Values
+from ..distributed import collectives
+from ..contract.staged import bf16_close, exact, fp32_close, judged
 
 
 def pack_heads(cos: str = "freqs_cos", sin: str = "freqs_sin") -> Stage:

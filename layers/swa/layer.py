@@ -1,27 +1,27 @@
 """The SWA decode layer (compress ratio 0) as its stage list (spec swa.md §6).
 
 One rank's step is the spec's nine steps (§6): hc_pre, RMSNorm, Q/KV projection with RoPE
-(`layers.front`), the KV cache insert (§3.4) and the window attention (§3.5) below, then the
-packing, the TP output half and hc_post (`layers.output_half`). The golden runs the same list
-on a single device with the full O weights (§3); the fixture is `layers.fixtures.swa`.
+(`layers.attention.front`), the KV cache insert (§3.4) and the window attention (§3.5) below, then the
+packing, the TP output half and hc_post (`layers.attention.output_half`). The golden runs the same list
+on a single device with the full O weights (§3); the fixture is `layers.swa.fixture`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import front, output_half
-from .attention_layer import AttentionLayer, check_distinct_writes
-from .components import attention
-from .components.kv_cache import write_rows
-from .contract.case import Case
-from .contract.checks import Check, PoolCheck, RelDiffCheck
-from .contract.config import ConfigError, ModelConfig
-from .contract.context import RankContext
-from .contract.stage import Stage, Values
-from .contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
-from .fixtures import swa as fixture
-from .staged import bf16_close, exact, judged
+from ..attention import front, output_half
+from ..attention.layer import AttentionLayer, check_distinct_writes
+from ..components import attention
+from ..components.kv_cache import write_rows
+from ..contract.case import Case
+from ..contract.checks import Check, PoolCheck, RelDiffCheck
+from ..contract.config import ConfigError, ModelConfig
+from ..contract.context import RankContext
+from ..contract.stage import Stage, Values
+from ..contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from . import fixture
+from ..contract.staged import bf16_close, exact, judged
 
 
 # -- the layer's own step (§3.5; the cache insert of §3.4 is components.kv_cache) ---------------------------------------------------------

@@ -5,26 +5,26 @@ RMSNorm, Q/KV projection with RoPE, the main ratio-4 compressor and its cmp_kv c
 the indexer (§4.6: its query and head weights, then the inner compressor's idx cache commit
 (§4.7) for every request, then scores and top-k), the raw KV write (§4.8), sparse attention over
 window ∪ selected compressed rows (§4.9), then the packing, the TP output half and hc_post
-(`layers.output_half`). The golden runs the same list on a single device with the full O
-weights; the fixture is `layers.fixtures.csa`.
+(`layers.attention.output_half`). The golden runs the same list on a single device with the full O
+weights; the fixture is `layers.csa.fixture`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import front, output_half
-from .attention_layer import AttentionLayer, check_distinct_writes
-from .components import attention, csa_compressor, indexer, metadata
-from .components.kv_cache import write_rows
-from .contract.case import Case
-from .contract.checks import AllcloseCheck, Check, PoolCheck, RelDiffCheck
-from .contract.config import ConfigError, ModelConfig
-from .contract.context import RankContext
-from .contract.stage import Stage, Values
-from .contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
-from .fixtures import csa as csa_fixture
-from .staged import bf16_close, exact, fp32_close, judged, pool_written
+from ..attention import front, output_half
+from ..attention.layer import AttentionLayer, check_distinct_writes
+from ..components import attention, csa_compressor, indexer, metadata
+from ..components.kv_cache import write_rows
+from ..contract.case import Case
+from ..contract.checks import AllcloseCheck, Check, PoolCheck, RelDiffCheck
+from ..contract.config import ConfigError, ModelConfig
+from ..contract.context import RankContext
+from ..contract.stage import Stage, Values
+from ..contract.tensors import FRONT_WEIGHTS, Kind, TensorSpec, front_tensor_specs, tail_tensor_specs
+from . import fixture as csa_fixture
+from ..contract.staged import bf16_close, exact, fp32_close, judged, pool_written
 
 COMPRESS_RATIO = csa_compressor.COMPRESS_RATIO
 # gen_shared_weight (indexer wq_b fixture) works on 128×128 blocks.
