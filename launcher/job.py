@@ -127,8 +127,7 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
     if spec.snapshot:
         print(console.snapshot_line(spec.snapshot, spec.case_entry()), flush=True)
     c = spec.case
-    size = " ".join(f"{k}={v}" for k, v in c.describe().items() if k in ("tp", "local_t", "ep", "cp"))
-    label = f"{c.layer} {c.model.name} {size}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
+    label = f"{console.case_label(c.describe(), c.model.name)}{f' dp={spec.dp}' if spec.dp > 1 else ''}"
     log.info("launching %s: %d ranks on this node (node %d of %d), threads per rank %d, %s, output %s",
              label, spec.local_ranks, spec.node_rank, spec.nnodes, spec.threads(),
              spec.slot.describe() if spec.slot else "the whole node", output_dir)

@@ -35,7 +35,7 @@ from layers.contract.config import ConfigError
 from launcher.config.output_dirs import fresh_dir
 from launcher.config.schema import refused_overrides
 from launcher.config.sweep_jobs import expand_jobs
-from launcher.report.console import table_lines
+from launcher.report.console import case_label, table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
 from launcher.report.sweep_summary import SWEEP_FILE, collect_rows, job_entry, write_summary
 from launcher.run.preflight import preflight
@@ -79,9 +79,8 @@ def _check(overrides: list[str]) -> tuple[str, str]:
     except (ConfigError, OmegaConfBaseException, Exception) as e:  # Hydra's refusals are plain exceptions
         return "refused", " ".join(str(e).split())
     c = spec.case
-    size = f"tp={c.tp} local_t={c.local_t}" if "tp" in c.describe() else f"ep={c.group_size}"
     dp = f" dp={spec.dp}" if spec.dp > 1 else ""
-    return "ok", f"{c.layer} {c.scope} {c.model.name} {size}{dp}"
+    return "ok", f"{case_label(c.describe(), c.scope, c.model.name)}{dp}"
 
 
 def list_jobs(args: list[str]) -> int:

@@ -8,6 +8,7 @@ from .csa import layer as csa
 from .hca import layer as hca
 from .moe import layer as moe
 from .swa import layer as swa
+from .block import layer as block
 from .moe.collectives import MoECollectivesScope
 from .prefill import layer as prefill
 from .prefill.case import PrefillCase
@@ -16,7 +17,7 @@ from .contract.config import ConfigError
 from .contract.layer import Layer
 from .attention.scopes import CollectivesScope, OutputScope, TP1Scope
 
-LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER, moe.LAYER)}
+LAYERS = {layer.name: layer for layer in (swa.LAYER, csa.LAYER, hca.LAYER, moe.LAYER, block.LAYER)}
 # The layers the focused scopes cut into: the attention layers (their TP output half).
 ATTENTION = ("swa", "csa", "hca")
 SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, "tp1": TP1Scope}
@@ -82,7 +83,7 @@ def validated(case) -> Layer:
         return layer
     if isinstance(case, Case):
         case.validate(layer.whole_requests)
-    else:  # the MoE case: its EP rules
+    else:  # the MoE and block cases: their EP rules
         case.validate()
     layer.validate(case)
     return layer

@@ -5,13 +5,15 @@ SWA: hc_pre, rms_norm, qkv_proj_rope, cache_insert, attention (swa.md §6); CSA:
 rope_rows, rms_norm, qkv_proj_rope, compressor, indexer_query, indexer_compressor,
 indexer_topk, cache_insert, attention (csa.md §3); HCA: hc_pre, rms_norm, qkv_proj_rope,
 compressor, cache_insert, attention (hca.md §4); then every layer's pack_heads,
-group_all_to_all, sharded_o_proj, reduce_scatter, hc_post (swa.md §5). Bisect walks them; an
+group_all_to_all, sharded_o_proj, reduce_scatter, hc_post (swa.md §5). The block's list is
+its two halves' with the hand-off between them (`layers.block.stages`). Bisect walks them; an
 implementation that is not stage-based takes part by returning the stages' tensors, under
 the names `stage_tensors` lists, beside its outputs.
 """
 
 from __future__ import annotations
 
+from .block import BlockLayer
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.stage import Stage
@@ -22,6 +24,8 @@ from .contract.staged import StagedLayer
 def layer_stages(case: Case) -> tuple[Stage, ...]:
     """The stages of the case's layer (scope full), in order."""
     layer = layer_of(case, scope="full")
+    if isinstance(layer, BlockLayer):  # its list depends on its attention kind, not on the model alone
+        return layer.case_stages(case)
     if not isinstance(layer, StagedLayer):
         raise ConfigError(f"layer {case.layer!r} has no stage list")
     return layer.stages(case.model)

@@ -17,6 +17,7 @@ import torch
 
 from .contract.context import RankContext
 from .contract.stage import Stage, Values
+from .block import BlockLayer
 from .registry import layer_of
 from .contract.staged import StagedLayer
 
@@ -30,7 +31,7 @@ class TorchTP:
 
     def __call__(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         scope = layer_of(ctx.case)
-        if isinstance(scope, StagedLayer):
+        if isinstance(scope, (StagedLayer, BlockLayer)):  # the block hands run_stage to its halves
             return scope.forward(ctx, tensors, run_stage=self.run_stage)
         return scope.forward(ctx, tensors)
 

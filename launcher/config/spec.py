@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from layers.block.case import BlockCase, default_local_t, resolve_attention
 from layers.contract.case import Case, MoECase
 from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
 from layers.contract.layer import Layer
@@ -234,7 +235,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
 
 
 def _size_key(case) -> str:
-    return "ep" if isinstance(case, MoECase) else "tp"
+    return "ep" if isinstance(case, (MoECase, BlockCase)) else "tp"
 
 
 def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> Case:
@@ -285,8 +286,30 @@ def _moe_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> Mo
                    balanced_routing=bool(cfg.balanced_routing), scope=scope)
 
 
+def _block_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> BlockCase:
+    """The case of the decoder layer from its keys (`layers.contract.case.BlockKeys`): the world
+    is `ep` ranks, attention in TP groups of `tp`, the kind named by `attention` or by
+    `layer_id`'s place in the layer schedule."""
+    for k in ("golden_data", "save_data"):
+        if cfg[k]:
+            raise ConfigError(f"{k}={cfg[k]}: layer=block has no snapshot layout yet (its halves' caches and the "
+                              "MoE's world in one folder); leave it out")
+    if int(cfg.dp) != 1:
+        raise ConfigError(f"dp={cfg.dp}: layer=block's world is ep ranks, already split into ep/tp attention groups; "
+                          "leave dp out")
+    attention, layer_id = resolve_attention(None if cfg.attention is None else str(cfg.attention),
+                                            None if cfg.layer_id is None else int(cfg.layer_id))
+    tp, ep = int(cfg.tp), int(cfg.ep)
+    if tp < 1 or not 1 <= ep <= MOE_MAX_EP or ep % tp:  # first: the world size depends on them
+        raise ConfigError(f"tp={tp}, ep={ep}: layer=block needs ep in [1, {MOE_MAX_EP}] and tp >= 1 dividing it "
+                          "(ep/tp attention TP groups)")
+    local_t = int(cfg.local_t) if cfg.local_t is not None else default_local_t(model, tp)
+    return BlockCase(model=model, attention=attention, tp=tp, ep=ep, local_t=local_t, seed=int(cfg.seed),
+                     layer_id=layer_id)
+
+
 # The case a layer's config group makes, by the case-key set it names (`layers.contract.case.CASE_KEYS`).
-CASE_OF_KEYS = {"tp": _attention_case, "ep": _moe_case}
+CASE_OF_KEYS = {"tp": _attention_case, "ep": _moe_case, "block": _block_case}
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,

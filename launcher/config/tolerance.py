@@ -28,6 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from layers.block.case import BlockCase, first_layer_of
 from layers.contract.case import Case, MoECase
 from layers.contract.checks import Check, tolerance_params
 from layers.contract.config import TINY, ConfigError
@@ -69,7 +70,9 @@ def known_tensors() -> dict[str | None, dict[str, frozenset[str]]]:
     known: dict[str | None, dict[str, set[str]]] = {None: {}}
     for layer in LAYERS:
         known[layer] = {}
-        if layer not in ATTENTION:  # the MoE layer: no focused scopes
+        if layer == "block":  # each attention kind's caches, and x_next
+            cases = [BlockCase(TINY, kind, 1, 1, TINY.moe_tokens, 0, first_layer_of(kind)) for kind in ATTENTION]
+        elif layer not in ATTENTION:  # the MoE layer: no focused scopes
             cases = [MoECase(TINY, 1, 0)]
         else:
             cases = [Case(layer, TINY, 1, TINY.decode_tokens, 0, scope=scope) for scope in SCOPES]

@@ -47,9 +47,10 @@ def table_lines(rows: list[list[str]]) -> list[str]:
 
 
 # The keys that define a case, in the order every report shows them: the attention layers' tp /
-# local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing.
-CASE_KEYS = ("layer", "phase", "scope", "model", "tp", "ep", "cp", "cp_layout", "prefix", "segment_lens", "dp",
-             "local_t", "layer_id", "num_tokens", "balanced_routing", "seed", "start_pos", "backend", "impl")
+# local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing, the
+# block's attention kind, the prefill's cp / cp_layout / prefix / segment_lens.
+CASE_KEYS = ("layer", "attention", "phase", "scope", "model", "tp", "ep", "cp", "cp_layout", "prefix", "segment_lens",
+             "dp", "local_t", "layer_id", "num_tokens", "balanced_routing", "seed", "start_pos", "backend", "impl")
 
 
 def seed_text(seed) -> object:
@@ -65,9 +66,21 @@ def case_items(c: dict) -> list[tuple[str, object]]:
             if k in c and not (k == "dp" and c[k] in (None, 1))]
 
 
+def case_label(c: dict, *between: str) -> str:
+    """The case's layer, the words `between`, then its group sizes, from its `describe()`:
+    `swa tiny tp=4 local_t=128`, `moe tiny ep=2`, `block csa tiny tp=2 ep=4 local_t=64`,
+    `swa prefill tiny cp=2`."""
+    kind = c.get("attention") or (c["phase"] if c.get("phase", "decode") != "decode" else None)
+    layer = f"{c['layer']} {kind}" if kind else c["layer"]
+    sizes = [f"{k}={c[k]}" for k in ("tp", "ep", "cp", "local_t") if c.get(k) is not None]
+    return " ".join([layer, *between, *sizes])
+
+
 def group_text(c: dict) -> str:
-    """The size of the case's process group as a key: `ep=P` for the MoE layer, `tp=N` else."""
-    return f"ep={c['ep']}" if "ep" in c else f"tp={c.get('tp')}"
+    """The size of the case's process group as a key: `ep=P` for the MoE layer, `cp=N` for a
+    prefill, `tp=N` else."""
+    key = next((k for k in ("ep", "cp") if k in c), "tp")
+    return f"{key}={c.get(key)}"
 
 
 def snapshot_line(snapshot: dict, case: dict) -> str:
@@ -94,7 +107,8 @@ def case_columns(rows: list[dict]) -> list[str]:
     moe = any(r.get("ep") is not None for r in rows)
     attention = not moe or any(r.get("tp") is not None for r in rows)
     grouped = any((r.get("dp") or 1) > 1 for r in rows)
-    return [*(["tp"] if attention else []), *(["ep"] if moe else []), *(["dp"] if grouped else []),
+    block = any(r.get("attention") is not None for r in rows)
+    return [*(["attention"] if block else []), *(["tp"] if attention else []), *(["ep"] if moe else []), *(["dp"] if grouped else []),
             *(["local_t"] if attention else []), *(["layer_id", "num_tokens", "balanced_routing"] if moe else []),
             *(["start_pos"] if attention else [])]
 

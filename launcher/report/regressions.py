@@ -37,7 +37,7 @@ from launcher.report.result import SCHEMA_VERSION, verdict
 from launcher.report.sweep_summary import collect_rows, job_row
 
 # The keys that define a case; `impl`, `backend` and the job number do not.
-CASE_KEYS = ("layer", "scope", "model", "tp", "ep", "layer_id", "num_tokens", "balanced_routing", "dp", "local_t",
+CASE_KEYS = ("layer", "attention", "scope", "model", "tp", "ep", "layer_id", "num_tokens", "balanced_routing", "dp", "local_t",
              "start_pos", "seed")
 NOT_PASSED = ("FAIL", "ERROR", "SKIP")
 

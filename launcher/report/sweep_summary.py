@@ -93,6 +93,8 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         return row
     case = result["case"]
     row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed", "impl")})
+    if "attention" in case:  # layer=block
+        row["attention"] = case["attention"]
     row.update({k: case[k] for k in MOE_KEYS if k in case})
     row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
@@ -176,7 +178,7 @@ def _xml_text(s: str) -> str:
 
 
 # The case's own fields, named first and in this order; the other overrides follow, sorted.
-_CASE_KEYS = ("model", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing", "start_pos", "seed")
+_CASE_KEYS = ("model", "attention", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing", "start_pos", "seed")
 
 
 def case_name(row: dict) -> str:

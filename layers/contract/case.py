@@ -39,7 +39,18 @@ class EPKeys:
     balanced_routing: bool  # every expert gets exactly the same number of routes
 
 
-CASE_KEYS = {"tp": TPKeys, "ep": EPKeys}
+@dataclass
+class BlockKeys:
+    """The keys of the decoder layer's case (`layers.block.case.BlockCase`)."""
+
+    ep: int  # the world: the MoE's EP group size
+    tp: int  # the attention's TP group size (must divide ep)
+    attention: Optional[str]  # swa | csa | hca; None: by layer_id's place in the layer schedule
+    layer_id: Optional[int]  # the decoder layer; None: the attention kind's first (both None: layer 10)
+    local_t: Optional[int]  # attention tokens per rank; None: the capacity, at most the MoE's 128
+
+
+CASE_KEYS = {"tp": TPKeys, "ep": EPKeys, "block": BlockKeys}
 
 # Token counts are whole 8-row tiles (the reference's BIAS_T_TILE / VALID_TOKEN_TILE).
 TOKEN_TILE = 8

@@ -37,6 +37,7 @@ DEFECTS = {
     "hca": (defects.HcaMissedCommit, defects.HcaPoolsWrongRows, defects.HcaWrongRopePosition,
             defects.CacheWriteWrongSlot),
     "moe": (defects.MoeDropsTheRoutingWeight,),
+    "block": (defects.BlockRowsReordered, defects.BlockResidualBeforeAttention),
 }
 
 CPU = torch.device("cpu")
@@ -48,14 +49,14 @@ def canonical_case(name: str):
     return run_spec(compose_config(f"layer={name}", "model=tiny"), "unused").case
 
 
-def size_key(case) -> str:
-    """The case field that sizes the layer's group: tp, or ep for an expert-parallel layer."""
-    fields = {f.name for f in dataclasses.fields(case)}
-    return "tp" if "tp" in fields else "ep"
+# The case fields that size a layer's group (the block has both: attention TP groups of tp in
+# a world of ep ranks).
+GROUP_SIZES = ("tp", "ep")
 
 
 def one_rank(case):
-    return dataclasses.replace(case, **{size_key(case): 1})
+    fields = {f.name for f in dataclasses.fields(case)}
+    return dataclasses.replace(case, **{k: 1 for k in GROUP_SIZES if k in fields})
 
 
 def cloned(tensors):

@@ -58,7 +58,7 @@ def test_a_key_of_another_layer_is_refused_by_the_schema():
 
 
 @pytest.mark.parametrize("overrides, refusal", [
-    (["layer=moe", "tp=2"], "tp=2 does not apply to layer=moe: tp is a key of layer=csa, hca, swa; "
+    (["layer=moe", "tp=2"], "tp=2 does not apply to layer=moe: tp is a key of layer=block, csa, hca, swa; "
                             "layer=moe takes ep, layer_id, num_tokens, balanced_routing"),
     (["num_tokens=64"], "num_tokens=64 does not apply to layer=swa: num_tokens is a key of layer=moe"),
     (["layer=swa,moe", "local_t=8"], "local_t=8 does not apply to layer=moe"),
