@@ -769,3 +769,15 @@ class PrefillDroppedKeys(StageDefect):
                                v["segment_starts_t"], ctx.case.window, v["kv_cache"][..., 0, 0].numel(),
                                predecessors="first")
         return {"swa_key_rows": rows}
+
+
+class PrefillAllGatherRingOrder(StageDefect):
+    """The contiguous layout's KV all-gather left in ring arrival order: rank r's block i holds
+    rank (i + r) mod cp's rows, so every rank but 0 reads its keys from the wrong ranks."""
+
+    stages = ("kv_allgather",)
+
+    def defective(self, stage, ctx, v):
+        hd = v["kv"].shape[-1]
+        blocks = stage.run(ctx, v)["gathered_kv"].reshape(ctx.case.cp, -1, hd)
+        return {"gathered_kv": torch.roll(blocks, -ctx.rank, dims=0).reshape(-1, hd)}

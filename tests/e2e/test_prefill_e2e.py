@@ -28,6 +28,9 @@ def test_prefill_passes(tp_run, keys):
     (defects.PrefillLocalRopePositions, {}, "x_out", [0, 1]),
     (defects.PrefillFinalWindowOnOwnerOnly, {}, "kv_cache", [1]),  # zigzag: rank 0 owns the last segment
     (defects.PrefillDroppedKeys, {"segment_lens": "[128,40,30,128]"}, "x_out", [0, 1]),  # segments 2 and 3 reach back past their predecessor
+    (defects.PrefillAllGatherRingOrder, {"cp_layout": "contiguous"}, "x_out", [1]),
+    (defects.PrefillAllGatherRingOrder, {"cp_layout": "contiguous"}, "kv_cache", [1]),
+    (defects.PrefillFinalWindowOnOwnerOnly, {"cp_layout": "contiguous"}, "kv_cache", [0]),  # rank 1 owns the last segment
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_prefill_defect_fails_naming_tensor_and_rank(tp_run, impl, keys, tensor, ranks):
     run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=impl, **keys)
@@ -42,6 +45,8 @@ def test_prefill_defect_fails_naming_tensor_and_rank(tp_run, impl, keys, tensor,
     (defects.PrefillLocalRopePositions, {}, "project", [0, 1]),
     (defects.PrefillFinalWindowOnOwnerOnly, {}, "final_window_commit", [1]),
     (defects.PrefillDroppedKeys, {"segment_lens": "[128,40,30,128]"}, "key_table", [0, 1]),
+    (defects.PrefillAllGatherRingOrder, {"cp_layout": "contiguous"}, "kv_allgather", [1]),
+    (defects.PrefillFinalWindowOnOwnerOnly, {"cp_layout": "contiguous"}, "final_window_commit", [0]),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_bisect_names_the_defective_stage_and_ranks(tp_run, impl, keys, stage, ranks):
     run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=impl, bisect=True, **keys)
@@ -103,11 +108,13 @@ def test_perturbed_reference_snapshot_fails(tp_run, tmp_path, tensor, rank):
     assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == [rank], run
 
 
-def test_saved_prefill_snapshot_replays(tp_run, tmp_path):
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_saved_prefill_snapshot_replays(tp_run, tmp_path, layout):
     saved = tmp_path / "saved"
     first = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", prefix=40, segment_lens="[128,60,200,128]",
-                   save_data=str(saved))
+                   cp_layout=layout, save_data=str(saved))
     assert first.exit_code == 0, first
     replay = tp_run(golden_data=str(saved))
     assert replay.exit_code == 0, replay
     assert replay.result["case"]["segment_lens"] == [128, 60, 200, 128] and replay.result["case"]["prefix"] == 40
+    assert replay.result["case"]["cp_layout"] == layout
