@@ -70,7 +70,7 @@ def layer_of(case, scope: str | None = None) -> Layer:
     place of the case's own)."""
     if isinstance(case, PrefillCase):
         prefill_layer(case.layer)  # a layer without a prefill stage list is a ConfigError
-        return prefill.of_case(case)
+        return prefill.of_case(case, scope)
     return get_scope(case.layer, case.scope if scope is None else scope)
 
 

@@ -781,3 +781,14 @@ class PrefillAllGatherRingOrder(StageDefect):
         hd = v["kv"].shape[-1]
         blocks = stage.run(ctx, v)["gathered_kv"].reshape(ctx.case.cp, -1, hd)
         return {"gathered_kv": torch.roll(blocks, -ctx.rank, dims=0).reshape(-1, hd)}
+
+
+class PrefillTailsInRankMajorOrder(StageDefect):
+    """The zigzag tail exchange never applies reverse_index: the tails stay in rank-major order
+    (block 2·rank + part), which is the logical order only for the contiguous layout."""
+
+    stages = ("tail_exchange",)
+
+    def defective(self, stage, ctx, v):
+        index = v["reverse_index"]
+        return stage.run(ctx, {**v, "reverse_index": torch.arange(index.shape[-1], dtype=index.dtype).expand_as(index)})

@@ -20,7 +20,7 @@ from ..contract.context import RankContext
 from ..contract.tensors import Kind, TensorSpec
 from ..distributed import wire
 from ..contract.staged import StagedLayer
-from . import fixture, gathered, golden as golden_math, swa, tables
+from . import collectives, fixture, gathered, golden as golden_math, swa, tables
 from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PREFILL_ORI_BLOCKS, PrefillCase
 
 COMPARED = ("kv_cache", "x_out")
@@ -151,8 +151,12 @@ GATHERED = GatheredPrefillSWALayer()
 LAYOUTS = {"zigzag": LAYER, "contiguous": GATHERED}
 
 
-def of_case(case: PrefillCase) -> PrefillSWALayer:
-    """The layer of the case's layout (an unknown layout: the zigzag one, whose validate refuses it)."""
+def of_case(case: PrefillCase, scope: str | None = None) -> StagedLayer:
+    """The layer of the case's layout, or its exchange alone under scope=collectives (`scope`:
+    in place of the case's own). An unknown layout or scope: the zigzag layer, whose validate
+    refuses it."""
+    if (case.scope if scope is None else scope) == "collectives":
+        return collectives.SCOPE
     return LAYOUTS.get(case.cp_layout, LAYER)
 
 # Every input of a rank, by name (the model and case do not change the names).

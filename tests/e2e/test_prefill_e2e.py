@@ -60,12 +60,32 @@ def test_dropped_keys_pass_when_every_segment_fills_the_window(tp_run):
     assert run.exit_code == 0, run
 
 
+@pytest.mark.parametrize("layout, output", [("zigzag", "logical_tails_out"), ("contiguous", "gathered_kv")])
+def test_collectives_scope_passes(tp_run, layout, output):
+    run = tp_run(layer="swa", phase="prefill", cp=4, cp_layout=layout, scope="collectives", model="tiny")
+    assert run.exit_code == 0, run
+    assert run.verdict(output)["passed"], run
+
+
+@pytest.mark.parametrize("impl, layout, output, ranks", [
+    (defects.PrefillMissingPredecessorTail, "zigzag", "logical_tails_out", [1]),
+    (defects.PrefillTailsInRankMajorOrder, "zigzag", "logical_tails_out", [0, 1]),
+    (defects.PrefillAllGatherRingOrder, "contiguous", "gathered_kv", [1]),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_collectives_scope_defect_fails_naming_tensor_and_rank(tp_run, impl, layout, output, ranks):
+    run = tp_run(layer="swa", phase="prefill", cp=2, cp_layout=layout, scope="collectives", model="tiny", impl=impl)
+    assert run.exit_code == 1, run
+    v = run.verdict(output)
+    assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == ranks, run
+
+
 @pytest.mark.parametrize("keys, words", [
     (dict(phase="prefill", tp=2), "tp=2 is a key of phase=decode"),
     (dict(phase="prefill", layer="csa"), "no prefill stage list"),
     (dict(cp=2), "cp=2 is a key of phase=prefill"),
     (dict(phase="prefill", segment_lens="[128,128]"), "2\\*cp = 4 segments"),
     (dict(phase="warmup"), "phase='warmup'"),
+    (dict(phase="prefill", scope="output"), "scope=full or collectives"),
 ])
 def test_bad_prefill_keys_refused(tp_run, keys, words):
     import re
