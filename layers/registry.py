@@ -70,7 +70,8 @@ def layer_of(case, scope: str | None = None) -> Layer:
     """The layer (or focused scope) a case runs: its phase's, by name and scope (`scope`: in
     place of the case's own)."""
     if isinstance(case, PrefillCase):
-        return prefill_layer(case.layer)
+        prefill_layer(case.layer)  # a layer without a prefill stage list is a ConfigError
+        return prefill.of_case(case, scope)
     return get_scope(case.layer, case.scope if scope is None else scope)
 
 

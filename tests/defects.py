@@ -815,3 +815,27 @@ class BlockDispatchesPaddedRows(TorchTP):
         if ctx.case.layer == "moe" and "num_tokens" in values:
             values = {**values, "num_tokens": torch.tensor(ctx.case.tokens, dtype=torch.int32)}
         return super().run_stage(stage, ctx, values)
+
+
+# -- context-parallel prefill: the CP exchanges of each layout ------------------------------------
+class PrefillAllGatherRingOrder(StageDefect):
+    """The contiguous layout's KV all-gather left in ring arrival order: rank r's block i holds
+    rank (i + r) mod cp's rows, so every rank but 0 reads its keys from the wrong ranks."""
+
+    stages = ("kv_allgather",)
+
+    def defective(self, stage, ctx, v):
+        hd = v["kv"].shape[-1]
+        blocks = stage.run(ctx, v)["gathered_kv"].reshape(ctx.case.cp, -1, hd)
+        return {"gathered_kv": torch.roll(blocks, -ctx.rank, dims=0).reshape(-1, hd)}
+
+
+class PrefillTailsInRankMajorOrder(StageDefect):
+    """The zigzag tail exchange never applies reverse_index: the tails stay in rank-major order
+    (block 2·rank + part), which is the logical order only for the contiguous layout."""
+
+    stages = ("tail_exchange",)
+
+    def defective(self, stage, ctx, v):
+        index = v["reverse_index"]
+        return stage.run(ctx, {**v, "reverse_index": torch.arange(index.shape[-1], dtype=index.dtype).expand_as(index)})

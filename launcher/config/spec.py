@@ -257,8 +257,6 @@ def _prefill_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -
     if decode_keys:
         raise ConfigError(f"{decode_keys[0]}={cfg[decode_keys[0]]} is a key of phase=decode; phase=prefill takes "
                           f"cp, cp_layout, prefix and segment_lens")
-    if scope != "full":
-        raise ConfigError(f"phase=prefill runs scope=full, not scope={scope}")
     lens = cfg.segment_lens
     if lens is not None and not isinstance(lens, (int, Sequence, ListConfig)):
         raise ConfigError(f"segment_lens={lens} must be a list of 2*cp lengths (or one length for every segment)")
@@ -266,7 +264,8 @@ def _prefill_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -
     if isinstance(lens, int):
         lens = [lens] * (2 * cp)
     return PrefillCase(layer=layer, model=model, cp=cp, seed=int(cfg.seed), cp_layout=str(cfg.cp_layout),
-                       prefix=int(cfg.prefix), segment_lens=None if lens is None else tuple(int(n) for n in lens))
+                       prefix=int(cfg.prefix), segment_lens=None if lens is None else tuple(int(n) for n in lens),
+                       scope=scope)
 
 
 def _moe_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> MoECase:

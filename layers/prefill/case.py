@@ -14,6 +14,7 @@ from ..contract.case import group_seed
 from ..contract.config import ConfigError, ModelConfig
 
 LAYOUTS = ("zigzag", "contiguous")
+SCOPES = ("full", "collectives")  # the whole step, or its CP exchange alone (layers/prefill/collectives.py)
 # Query tiles per segment (the reference's MAX_SEGMENT_TILES): a segment is 1..2 windows long.
 MAX_SEGMENT_TILES = 2
 # The reference's prefill deployment point: 128-row pages, 128 pages of raw KV per rank.
@@ -99,6 +100,8 @@ class PrefillCase:
         w, lens = self.window, self.lengths
         if self.layer != "swa":
             raise ConfigError(f"phase=prefill runs layer=swa; layer={self.layer} has no prefill stage list yet")
+        if self.scope not in SCOPES:
+            raise ConfigError(f"phase=prefill runs scope={' or '.join(SCOPES)}, not scope={self.scope}")
         if self.cp < 1:
             raise ConfigError(f"cp={self.cp} must be >= 1")
         if self.cp_layout not in LAYOUTS:
@@ -133,4 +136,4 @@ class PrefillCase:
         return notes
 
 
-__all__ = ["LAYOUTS", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]
+__all__ = ["LAYOUTS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]

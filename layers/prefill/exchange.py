@@ -1,8 +1,13 @@
-"""The projected-KV tail exchange over the CP group (prefill_cp_zigzag.py's tail exchange).
+"""The CP group's two KV exchanges (docs/prefill.md §2).
 
-Every rank publishes its two tails `local_kv_tail [2·WIN, HD]` (part 0, then part 1) to every
-peer, rank-major (`kv_tail_window` row block 2·rank + part); each rank then reads the blocks
-in logical order through `reverse_index`: `logical_tails_out [2cp, WIN, HD]`.
+Zigzag, the tail exchange (prefill_cp_zigzag.py): every rank publishes its two tails
+`local_kv_tail [2·WIN, HD]` (part 0, then part 1) to every peer, rank-major (`kv_tail_window`
+row block 2·rank + part); each rank then reads the blocks in logical order through
+`reverse_index`: `logical_tails_out [2cp, WIN, HD]`.
+
+Contiguous, the replicated-KV all-gather (the dspark tree's prefill_kv_allgather.py): every
+rank's projected KV rows `kv [2·tiles·WIN, HD]`, gathered rank-major on every rank:
+`gathered_kv [cp·2·tiles·WIN, HD]`.
 """
 
 from __future__ import annotations
@@ -24,4 +29,14 @@ def tail_exchange(local_kv_tail: torch.Tensor, reverse_index: torch.Tensor, grou
     return to_logical(wire.all_gather(local_kv_tail, group, world), reverse_index)
 
 
-__all__ = ["to_logical", "tail_exchange"]
+def kv_allgather(kv: torch.Tensor, group, world: int) -> torch.Tensor:
+    """gathered_kv [cp·rows, HD]: every rank's kv [rows, HD], rank r's at row block r."""
+    return rank_major(wire.all_gather(kv.contiguous(), group, world))
+
+
+def rank_major(every_kv: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows stacked [P, rows, HD] as one rank-major block [P·rows, HD]."""
+    return every_kv.reshape(-1, every_kv.shape[-1])
+
+
+__all__ = ["to_logical", "tail_exchange", "kv_allgather", "rank_major"]

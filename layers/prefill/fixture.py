@@ -49,6 +49,7 @@ def rank_tables(case: PrefillCase, rank: int) -> dict[str, torch.Tensor]:
     positions, _ = tables.query_positions(case)
     parts = tables.owner_segments(case)[rank]
     seg_src, row_src, slot = tables.final_window(case)
+    gathered = {"gathered_slot_mapping": tables.gathered_slot_mapping(case)} if case.cp_layout == "contiguous" else {}
     return {
         "segment_starts_t": torch.tensor(case.starts, dtype=torch.int32),
         "predecessor_segments": torch.tensor([s - 1 for s in parts], dtype=torch.int32),
@@ -59,6 +60,7 @@ def rank_tables(case: PrefillCase, rank: int) -> dict[str, torch.Tensor]:
         "final_win_row_src": row_src,
         "final_slot_mapping": slot,
         "owner_rank_table": tables.owner_rank_table(case),
+        **gathered,
     }
 
 

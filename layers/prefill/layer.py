@@ -1,6 +1,8 @@
 """The SWA CP prefill layer as the launcher runs it (the `Layer` interface), and the golden.
 
-The layer walks `swa.stages()` on the rank's CP group. The golden is the independent
+One layer per layout (`of_case`): zigzag walks `swa.stages()` (the tail exchange), contiguous
+`gathered.stages()` (the replicated-KV all-gather) on the rank's CP group; both are judged
+against the same golden. The golden is the independent
 whole-prompt golden (`golden.whole_prompt`) cut to the rank: computed by the group together
 (`rank_golden`), since a rank holds only its own segments of the prompt. `from_reference`
 turns the reference's tensors (its snapshot's layout) into one rank's inputs.
@@ -18,7 +20,7 @@ from ..contract.context import RankContext
 from ..contract.tensors import Kind, TensorSpec
 from ..distributed import wire
 from ..contract.staged import StagedLayer
-from . import fixture, golden as golden_math, swa, tables
+from . import collectives, fixture, gathered, golden as golden_math, swa, tables
 from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PREFILL_ORI_BLOCKS, PrefillCase
 
 COMPARED = ("kv_cache", "x_out")
@@ -39,6 +41,8 @@ def from_reference(stacked: Mapping[str, torch.Tensor], rank: int) -> dict[str, 
 
 
 class PrefillSWALayer(StagedLayer):
+    """The zigzag layout's layer: the tail exchange (`swa.stages()`)."""
+
     name = "swa"
     replicated_inputs = frozenset(fixture.WEIGHTS) | {"freqs_cos", "freqs_sin", "segment_starts_t", "reverse_index",
                                                       "final_win_seg_src", "final_win_row_src", "final_slot_mapping",
@@ -98,8 +102,13 @@ class PrefillSWALayer(StagedLayer):
             "final_win_row_src": rep((w,), i32),
             "final_slot_mapping": rep((w,), i32),
             "owner_rank_table": rep((nseg,), i32),
+            **self.layout_tables(case),
             "x_out": TensorSpec((case.local_t, m.hc_mult, d), f32, Kind.OUTPUT, stored=(*rows, m.hc_mult, d)),
         }
+
+    def layout_tables(self, case: PrefillCase) -> dict[str, TensorSpec]:
+        """The tables only this layout's stage list reads (none beside the reference's)."""
+        return {}
 
     def rank_inputs(self, case: PrefillCase, rank: int) -> dict[str, torch.Tensor]:
         return fixture.rank_inputs(case, rank)
@@ -126,9 +135,37 @@ class PrefillSWALayer(StagedLayer):
         return golden(case, [ctx.rank], prompt, {**cpu, "kv_cache": cpu["kv_cache"].clone()})[0]
 
 
+class GatheredPrefillSWALayer(PrefillSWALayer):
+    """The contiguous layout's layer: the replicated-KV all-gather (`gathered.stages()`)."""
+
+    replicated_inputs = PrefillSWALayer.replicated_inputs | {"gathered_slot_mapping"}
+
+    def stages(self, model) -> tuple:
+        return gathered.stages()
+
+    def layout_tables(self, case: PrefillCase) -> dict[str, TensorSpec]:
+        rows = case.cp * case.local_t
+        return {"gathered_slot_mapping": TensorSpec((rows,), torch.int32, Kind.INPUT, replicated=True)}
+
+
 LAYER = PrefillSWALayer()
-# Every input of a rank, by name (the model and case do not change the names).
+GATHERED = GatheredPrefillSWALayer()
+LAYOUTS = {"zigzag": LAYER, "contiguous": GATHERED}
+
+
+def of_case(case: PrefillCase, scope: str | None = None) -> StagedLayer:
+    """The layer of the case's layout, or its exchange alone under scope=collectives (`scope`:
+    in place of the case's own). An unknown layout or scope: the zigzag layer, whose validate
+    refuses it."""
+    if (case.scope if scope is None else scope) == "collectives":
+        return collectives.SCOPE
+    return LAYOUTS.get(case.cp_layout, LAYER)
+
+
+# Every input of a rank of the reference's layout, by name (the model and case do not change
+# them; the contiguous layout adds gathered_slot_mapping, which the golden does not read).
 LAYER_INPUTS = tuple(n for n, s in LAYER.tensor_specs(PrefillCase("swa", SMALL, 1, 0)).items()
                      if s.kind is not Kind.OUTPUT)
 
-__all__ = ["COMPARED", "LAYER_INPUTS", "golden", "from_reference", "PrefillSWALayer", "LAYER"]
+__all__ = ["COMPARED", "LAYER_INPUTS", "golden", "from_reference", "PrefillSWALayer", "GatheredPrefillSWALayer",
+           "LAYER", "GATHERED", "LAYOUTS", "of_case"]

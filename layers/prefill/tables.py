@@ -2,8 +2,9 @@
 
 Zigzag (the reference's): rank r owns segments r (part 0) and 2cp−1−r (part 1), so early and
 late segments pair up and every rank attends over the same number of keys. Contiguous (the
-replicated-KV variant): rank r owns segments 2r and 2r+1. Either way a rank's two tails sit
-rank-major in the exchange window (row block 2·rank + part), and `reverse_index[s]` is the
+replicated-KV variant): rank r owns segments 2r and 2r+1, one contiguous block of the prompt.
+Either way a rank's two parts sit rank-major in what the group exchanges (zigzag: the tails,
+row block 2·rank + part; contiguous: every projected KV row), and `reverse_index[s]` is the
 rank-major block of logical segment s.
 
 The builders here give the reference's metadata tensors (`build_metadata` of
@@ -149,5 +150,44 @@ def key_rows(query_position_ids: torch.Tensor, overlay_active_lengths: torch.Ten
     return rows.to(torch.int32)
 
 
+def gathered_slot_mapping(case: PrefillCase) -> torch.Tensor:
+    """The all-gather variant's commit table [cp·2·tiles·WIN] int32: the cache row each row of
+    the rank-major gathered KV lands in (the final window's positions), −1 for every other row."""
+    w, parts = case.window, owner_segments(case)
+    slots = torch.full((case.cp, LOCAL_PARTS, MAX_SEGMENT_TILES * w), -1, dtype=torch.int32)
+    end = case.prefix + case.total
+    for r in range(case.cp):
+        for p in range(LOCAL_PARTS):
+            s = parts[r][p]
+            pos = case.starts[s] + torch.arange(case.lengths[s])
+            final = pos >= end - w
+            slots[r, p, : case.lengths[s]] = torch.where(final, pos % case.cache_rows, -1).to(torch.int32)
+    return slots.reshape(-1)
+
+
+def gathered_key_rows(query_position_ids: torch.Tensor, overlay_active_lengths: torch.Tensor,
+                      segment_starts: torch.Tensor, reverse_index: torch.Tensor, window: int,
+                      cache_rows: int) -> torch.Tensor:
+    """The all-gather variant's key table [2, tiles, w, WIN] int32 into the staging rows
+    `[cache ring (cache_rows) | gathered kv (cp·2·tiles·w, rank-major)]`, −1 where no key.
+
+    Key position k of the query at q (k = q − WIN + 1 + c, valid: k ≥ 0, the query row active)
+    is a ring row below the prefix, else row k − start_s of segment s's block in the gathered
+    KV: block reverse_index[s] (2·owner rank + part) of tiles·w rows each. Every in-window
+    key of the prompt is there, however short the segments.
+    """
+    parts, tiles, w = query_position_ids.shape
+    starts = segment_starts.long()
+    q = query_position_ids.long()[..., None]
+    k = q - window + 1 + torch.arange(window)
+    active = torch.arange(w)[None, None, :] < overlay_active_lengths[..., 1].long()[..., None]
+    seg = (torch.searchsorted(starts, k, right=True) - 1).clamp(min=0)
+    rows = cache_rows + reverse_index.long()[seg] * tiles * w + (k - starts[seg])
+    rows = torch.where(k < starts[0], k % cache_rows, rows)
+    rows = torch.where((k >= 0) & active[..., None], rows, -1)
+    return rows.to(torch.int32)
+
+
 __all__ = ["LOCAL_PARTS", "owner", "owner_segments", "owner_rank_table", "reverse_index", "active_rows",
-           "tail_start", "ring_row", "final_window", "query_positions", "overlay_active_lengths", "key_rows"]
+           "tail_start", "ring_row", "final_window", "query_positions", "overlay_active_lengths", "key_rows",
+           "gathered_slot_mapping", "gathered_key_rows"]

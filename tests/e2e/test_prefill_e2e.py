@@ -28,6 +28,9 @@ def test_prefill_passes(tp_run, keys):
     (defects.PrefillLocalRopePositions, {}, "x_out", [0, 1]),
     (defects.PrefillFinalWindowOnOwnerOnly, {}, "kv_cache", [1]),  # zigzag: rank 0 owns the last segment
     (defects.PrefillDroppedKeys, {"segment_lens": "[128,40,30,128]"}, "x_out", [0, 1]),  # segments 2 and 3 reach back past their predecessor
+    (defects.PrefillAllGatherRingOrder, {"cp_layout": "contiguous"}, "x_out", [1]),
+    (defects.PrefillAllGatherRingOrder, {"cp_layout": "contiguous"}, "kv_cache", [1]),
+    (defects.PrefillFinalWindowOnOwnerOnly, {"cp_layout": "contiguous"}, "kv_cache", [0]),  # rank 1 owns the last segment
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_prefill_defect_fails_naming_tensor_and_rank(tp_run, impl, keys, tensor, ranks):
     run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=impl, **keys)
@@ -42,6 +45,8 @@ def test_prefill_defect_fails_naming_tensor_and_rank(tp_run, impl, keys, tensor,
     (defects.PrefillLocalRopePositions, {}, "project", [0, 1]),
     (defects.PrefillFinalWindowOnOwnerOnly, {}, "final_window_commit", [1]),
     (defects.PrefillDroppedKeys, {"segment_lens": "[128,40,30,128]"}, "key_table", [0, 1]),
+    (defects.PrefillAllGatherRingOrder, {"cp_layout": "contiguous"}, "kv_allgather", [1]),
+    (defects.PrefillFinalWindowOnOwnerOnly, {"cp_layout": "contiguous"}, "final_window_commit", [0]),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_bisect_names_the_defective_stage_and_ranks(tp_run, impl, keys, stage, ranks):
     run = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", impl=impl, bisect=True, **keys)
@@ -55,12 +60,32 @@ def test_dropped_keys_pass_when_every_segment_fills_the_window(tp_run):
     assert run.exit_code == 0, run
 
 
+@pytest.mark.parametrize("layout, output", [("zigzag", "logical_tails_out"), ("contiguous", "gathered_kv")])
+def test_collectives_scope_passes(tp_run, layout, output):
+    run = tp_run(layer="swa", phase="prefill", cp=4, cp_layout=layout, scope="collectives", model="tiny")
+    assert run.exit_code == 0, run
+    assert run.verdict(output)["passed"], run
+
+
+@pytest.mark.parametrize("impl, layout, output, ranks", [
+    (defects.PrefillMissingPredecessorTail, "zigzag", "logical_tails_out", [1]),
+    (defects.PrefillTailsInRankMajorOrder, "zigzag", "logical_tails_out", [0, 1]),
+    (defects.PrefillAllGatherRingOrder, "contiguous", "gathered_kv", [1]),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_collectives_scope_defect_fails_naming_tensor_and_rank(tp_run, impl, layout, output, ranks):
+    run = tp_run(layer="swa", phase="prefill", cp=2, cp_layout=layout, scope="collectives", model="tiny", impl=impl)
+    assert run.exit_code == 1, run
+    v = run.verdict(output)
+    assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == ranks, run
+
+
 @pytest.mark.parametrize("keys, words", [
     (dict(phase="prefill", tp=2), "tp=2 is a key of phase=decode"),
     (dict(phase="prefill", layer="csa"), "no prefill stage list"),
     (dict(cp=2), "cp=2 is a key of phase=prefill"),
     (dict(phase="prefill", segment_lens="[128,128]"), "2\\*cp = 4 segments"),
     (dict(phase="warmup"), "phase='warmup'"),
+    (dict(phase="prefill", scope="output"), "scope=full or collectives"),
 ])
 def test_bad_prefill_keys_refused(tp_run, keys, words):
     import re
@@ -103,11 +128,13 @@ def test_perturbed_reference_snapshot_fails(tp_run, tmp_path, tensor, rank):
     assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == [rank], run
 
 
-def test_saved_prefill_snapshot_replays(tp_run, tmp_path):
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_saved_prefill_snapshot_replays(tp_run, tmp_path, layout):
     saved = tmp_path / "saved"
     first = tp_run(layer="swa", phase="prefill", cp=2, model="tiny", prefix=40, segment_lens="[128,60,200,128]",
-                   save_data=str(saved))
+                   cp_layout=layout, save_data=str(saved))
     assert first.exit_code == 0, first
     replay = tp_run(golden_data=str(saved))
     assert replay.exit_code == 0, replay
     assert replay.result["case"]["segment_lens"] == [128, 60, 200, 128] and replay.result["case"]["prefix"] == 40
+    assert replay.result["case"]["cp_layout"] == layout

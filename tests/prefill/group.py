@@ -1,18 +1,18 @@
-"""Run a CP prefill group in one process: every rank's stages in lockstep, the tail exchange
-by its reference data movement (the real collective runs in tests/distributed)."""
+"""Run a CP prefill group in one process: every rank's stages in lockstep, each exchange by
+its reference data movement (the real collectives run in tests/distributed)."""
 
 from __future__ import annotations
 
 import torch
 
 from layers.contract.context import RankContext
-from layers.prefill import layer, swa
+from layers.prefill import layer
 from layers.prefill.case import PrefillCase
-from layers.contract.staged import run_stages
 
 
 def run_group(case: PrefillCase, inputs: list[dict], stages=None) -> list[dict]:
-    stages = swa.stages() if stages is None else stages
+    """Every rank's compared outputs; `stages`: in place of the case's layout's list."""
+    stages = layer.of_case(case).stages(case.model) if stages is None else stages
     values = [dict(t) for t in inputs]
     for stage in stages:
         ctxs = [RankContext(case=case, rank=r, device=torch.device("cpu")) for r in range(case.cp)]

@@ -12,7 +12,7 @@ import torch
 
 from layers.contract.config import TINY, ConfigError
 from layers.contract.stage import Stage
-from layers.prefill import fixture, layer, swa, tables
+from layers.prefill import fixture, gathered, layer, swa, tables
 from layers.prefill.case import PrefillCase
 from tests.prefill.group import run_group
 from tests.prefill.judge import failures
@@ -49,6 +49,7 @@ def case(cp=2, **kw) -> PrefillCase:
     case(2, prefix=300),  # the window reaches into history rows
     case(2, segment_lens=(200, 77, 256, 130)),  # uneven: tails straddle tiles
     case(2, segment_lens=(128, 40, 30, 128)),  # short segments: keys from two predecessors back
+    case(2, cp_layout="contiguous", prefix=300, segment_lens=(40, 30, 20, 200)),  # gathered keys of three segments
 ], ids=lambda c: f"cp{c.cp}-{c.cp_layout}-p{c.prefix}-{'x'.join(map(str, c.lengths))}")
 def test_case_passes(c):
     assert _run(c) == []
@@ -141,3 +142,43 @@ def test_beyond_reference_is_said():
     assert case(2).beyond_reference() == []
     notes = " ".join(case(2, prefix=8, segment_lens=(128, 40, 30, 128)).beyond_reference())
     assert "prefix=8" in notes and "drop the keys" in notes
+
+
+def test_each_layout_walks_its_own_stage_list():
+    """Zigzag exchanges tails; contiguous all-gathers every projected KV row (replicated KV)."""
+    names = lambda c: [s.name for s in layer.of_case(c).stages(c.model)]  # noqa: E731
+    assert "tail_exchange" in names(case(2)) and "kv_allgather" not in names(case(2))
+    assert "kv_allgather" in names(case(2, cp_layout="contiguous"))
+    assert "tail_exchange" not in names(case(2, cp_layout="contiguous"))
+
+
+def _gathered_replaced(name: str, run) -> tuple[Stage, ...]:
+    return tuple(dataclasses.replace(s, run=run, reference=None if s.reference is None else run)
+                 if s.name == name else s for s in gathered.stages())
+
+
+def test_allgather_in_ring_arrival_order_fails():
+    """Each rank keeps the gathered blocks in ring arrival order (block i: rank (i + rank) mod cp)."""
+    c = case(2, cp_layout="contiguous")
+    base = next(s for s in gathered.stages() if s.name == "kv_allgather")
+
+    def run(ctx, v):
+        blocks = base.golden(ctx, v)["gathered_kv"].reshape(ctx.case.cp, -1, v["kv"].shape[-1])
+        return {"gathered_kv": torch.roll(blocks, -ctx.rank, dims=0).reshape(-1, blocks.shape[-1])}
+
+    assert _run(c, _gathered_replaced("kv_allgather", run)) == [(1, "kv_cache"), (1, "x_out")]
+
+
+def test_gathered_commit_of_own_rows_only_fails():
+    """Each rank commits only the final-window rows it projected itself: the window's other
+    rows keep the history on that rank."""
+    c = case(2, cp_layout="contiguous", segment_lens=(128, 128, 30, 40))  # the final window spans both ranks
+    base = next(s for s in gathered.stages() if s.name == "final_window_commit")
+
+    def run(ctx, v):
+        own = torch.zeros_like(v["gathered_slot_mapping"]).reshape(ctx.case.cp, -1)
+        own[ctx.rank] = 1
+        slots = torch.where(own.reshape(-1) > 0, v["gathered_slot_mapping"], -1)
+        return base.run(ctx, {**v, "gathered_slot_mapping": slots})
+
+    assert _run(c, _gathered_replaced("final_window_commit", run)) == [(0, "kv_cache"), (1, "kv_cache")]
