@@ -20,6 +20,7 @@ from layers.attention.layer import AttentionLayer
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind, tensor_sha256
 from layers.distributed import wire
+from layers.fixtures.draw import GroupExchange
 from layers.fixtures.kept import kept_sha256
 
 from launcher.config.spec import RunSpec
@@ -46,13 +47,13 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
     rank computes its golden from them, `golden_is_computed`) and stored: the rank's own entry
     by every rank, the group's by the rank `stores_group` names (one per group and node).
     Without a cache, drawn; there every rank of the group draws alike, so with `ctx` (the rank's
-    context) an attention group draws its O weights a share per rank and exchanges them."""
+    context) an attention group draws its replicated and O weights a share per rank and
+    exchanges them."""
     full_o = golden_is_computed(spec, layer, case, rank)
 
     def drawn():
         if full_o and spec.golden_cache is None and _drawn_by_the_group(layer, ctx):
-            return layer.rank_inputs_and_full_o_by_the_group(case, rank, lambda t: wire.all_gather(
-                t.to(ctx.device), ctx.group, ctx.case.group_size).cpu())
+            return layer.rank_inputs_and_full_o_by_the_group(case, _group_exchange(ctx))
         return layer.rank_inputs_and_full_o(case, rank) if full_o else (layer.rank_inputs(case, rank), None)
 
     if spec.golden_cache is None:
@@ -87,9 +88,18 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
 
 
 def _drawn_by_the_group(layer, ctx: RankContext | None) -> bool:
-    """Whether the group can share the O weights' draw: a group of ranks that all draw them
-    (without a cache every rank does), of a layer that draws them from its `o_recipe`."""
-    return ctx is not None and ctx.case.group_size > 1 and isinstance(layer, AttentionLayer)
+    """Whether the group can share the weights' draw: a group of ranks that all draw them
+    (without a cache every rank does), of a layer that draws them from its `o_recipe`, on the
+    CPU, where the fixture's tensors are (gloo)."""
+    return (ctx is not None and ctx.case.group_size > 1 and ctx.device.type == "cpu"
+            and isinstance(layer, AttentionLayer))
+
+
+def _group_exchange(ctx: RankContext) -> GroupExchange:
+    """The rank's group's exchange of drawn tensors over the harness's own collectives."""
+    world = ctx.case.group_size
+    return GroupExchange(ctx.rank, world, lambda t: wire.all_gather(t, ctx.group, world),
+                         lambda t, shape, dtype, src: wire.broadcast(t, shape, dtype, ctx.rank, world, ctx.group, src))
 
 
 def _drawn_sha256(t: torch.Tensor) -> str:

@@ -90,8 +90,9 @@ def test_o_weights_drawn_once_are_the_streamed_shard_and_full_weights(layer, sco
 
 
 class _ThreadGather:
-    """`all_gather` among threads standing for a group's ranks: each call returns every rank's
-    tensor of that call stacked [P, ...] (`keep_own`: a wrong exchange, only the rank's own)."""
+    """A group exchange among threads standing for a group's ranks: each `all_gather` returns
+    every rank's tensor of that call stacked [P, ...] (`keep_own`: a wrong exchange, only the
+    rank's own), each `broadcast` the source's."""
 
     def __init__(self, world: int, keep_own: bool = False):
         import threading
@@ -110,22 +111,32 @@ class _ThreadGather:
             self.barrier.wait()
             return stacked
 
-        return all_gather
+        def broadcast(t, shape, dtype, src: int) -> torch.Tensor:
+            return all_gather(torch.empty(shape, dtype=dtype) if t is None else t)[src].clone()
+
+        from layers.fixtures.draw import GroupExchange
+
+        return GroupExchange(rank, self.world, all_gather, broadcast)
 
 
 def _by_the_group(lay, case, gather: _ThreadGather) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
+    from layers.fixtures.kept import forget_kept_weights
+
+    forget_kept_weights()
     with ThreadPoolExecutor(case.tp) as pool:
-        made = [pool.submit(lay.rank_inputs_and_full_o_by_the_group, case, r, gather.for_rank(r)) for r in range(case.tp)]
-        return {r: m.result() for r, m in enumerate(made)}
+        made = [pool.submit(lay.rank_inputs_and_full_o_by_the_group, case, gather.for_rank(r)) for r in range(case.tp)]
+        made = {r: m.result() for r, m in enumerate(made)}
+    forget_kept_weights()
+    return made
 
 
 @pytest.mark.parametrize("layer", ["swa", "csa", "hca"])
-def test_o_weights_drawn_a_share_per_rank_and_exchanged_are_the_single_draws_bits(layer):
-    """Each rank drawing its own groups and the group exchanging amaxes and shards gives every
-    rank the bits one rank drawing them all gives; an exchange that hands a rank only its own
-    amax (a wrong exchange) does not."""
+def test_weights_drawn_a_share_per_rank_and_exchanged_are_the_single_draws_bits(layer):
+    """Each rank drawing its own O-weight groups and a share of the replicated weights, the
+    group exchanging them, gives every rank the bits one rank drawing them all gives; an
+    exchange that hands a rank only its own (a wrong exchange) does not."""
     from layers.contract.case import Case
     from layers.contract.config import TINY
     from layers.registry import get_scope
@@ -141,3 +152,4 @@ def test_o_weights_drawn_a_share_per_rank_and_exchanged_are_the_single_draws_bit
     wrong = _by_the_group(lay, case, _ThreadGather(case.tp, keep_own=True))
     single, _ = lay.rank_inputs_and_full_o(case, 1)
     assert not _same_bits(wrong[1][0]["wo_b_scale"], single["wo_b_scale"])
+    assert not all(_same_bits(w["wq_a"], single["wq_a"]) for w, _ in wrong.values())  # the ranks that did not draw it
