@@ -16,8 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from layers.attention.layer import AttentionLayer
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind, tensor_sha256
+from layers.distributed import wire
+from layers.fixtures.draw import GroupExchange
 from layers.fixtures.kept import kept_sha256
 
 from launcher.config.spec import RunSpec
@@ -36,16 +39,21 @@ class RankInputs:
     cache: str | None  # "hit", None (drawn, stored or no cache), or why the entry was not written
 
 
-def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stores_group: bool) -> RankInputs:
+def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stores_group: bool,
+                ctx: RankContext | None = None) -> RankInputs:
     """Group rank `rank`'s inputs of `case`, with the sha256 of those named by `digested`: from
     the golden cache when its entries are whole (the rank's own, and the group's of what every
     rank holds alike, `Layer.replicated_inputs`), else drawn (with the full O weights when this
     rank computes its golden from them, `golden_is_computed`) and stored: the rank's own entry
     by every rank, the group's by the rank `stores_group` names (one per group and node).
-    Without a cache, drawn."""
+    Without a cache, drawn; there every rank of the group draws alike, so with `ctx` (the rank's
+    context) an attention group draws its replicated and O weights a share per rank and
+    exchanges them."""
     full_o = golden_is_computed(spec, layer, case, rank)
 
     def drawn():
+        if full_o and spec.golden_cache is None and _drawn_by_the_group(layer, ctx):
+            return layer.rank_inputs_and_full_o_by_the_group(case, _group_exchange(ctx))
         return layer.rank_inputs_and_full_o(case, rank) if full_o else (layer.rank_inputs(case, rank), None)
 
     if spec.golden_cache is None:
@@ -77,6 +85,21 @@ def rank_inputs(spec: RunSpec, layer, case, rank: int, digested: list[str], stor
         log.info("golden cache %s: inputs not written: %s", spec.golden_cache, problem)
     status = f"not written: {problem}" if problem else None
     return RankInputs(tensors, {n: digests[n] for n in digested}, wo_full, status)
+
+
+def _drawn_by_the_group(layer, ctx: RankContext | None) -> bool:
+    """Whether the group can share the weights' draw: a group of ranks that all draw them
+    (without a cache every rank does), of a layer that draws them from its `o_recipe`, on the
+    CPU, where the fixture's tensors are (gloo)."""
+    return (ctx is not None and ctx.case.group_size > 1 and ctx.device.type == "cpu"
+            and isinstance(layer, AttentionLayer))
+
+
+def _group_exchange(ctx: RankContext) -> GroupExchange:
+    """The rank's group's exchange of drawn tensors over the harness's own collectives."""
+    world = ctx.case.group_size
+    return GroupExchange(ctx.rank, world, lambda t: wire.all_gather(t, ctx.group, world),
+                         lambda t, shape, dtype, src: wire.broadcast(t, shape, dtype, ctx.rank, world, ctx.group, src))
 
 
 def _drawn_sha256(t: torch.Tensor) -> str:

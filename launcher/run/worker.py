@@ -351,7 +351,7 @@ def _fixture_phase(job: RankJob):
             inputs = snapshot.load_rank(spec.golden_data, "in", job.in_names, grank, job.specs)
             return inputs, {n: tensor_sha256(inputs[n]) for n in job.pure}, None, None
         made = rank_inputs(spec, job.layer, job.case, grank, job.pure,
-                           stores_group=job.layout.leads_group_on(node_ranks(spec)))
+                           stores_group=job.layout.leads_group_on(node_ranks(spec)), ctx=job.ctx)
         return made.tensors, made.sha256, made.wo_full, made.cache
 
 

@@ -3,7 +3,9 @@
 An attention layer's fixture is the rank's tensors (`inputs_without_o`) plus its shard of the
 O weights drawn from the layer's `o_recipe` (`layers.attention.o_weights`). A rank that
 computes its golden needs the full weights too: `rank_inputs_and_full_o` draws them once and
-slices the shard from them.
+slices the shard from them, or, called by every rank of the group, each draws its own share of
+them and of the replicated weights and the group exchanges them
+(`rank_inputs_and_full_o_by_the_group`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from ..contract.case import Case
 from ..contract.config import ConfigError
 from ..contract.tensors import Kind
+from ..fixtures.draw import GroupExchange
+from ..fixtures.kept import drawn_by_the_group
 from .o_weights import OWeightRecipe, shard_of
 from ..contract.staged import StagedLayer
 
@@ -38,6 +42,15 @@ class AttentionLayer(StagedLayer):
         full = self.o_recipe.full(case)
         inputs = self._ordered(case, {**self.inputs_without_o(case, rank), **shard_of(case, rank, full)})
         return inputs, (full["wo_a"], full["wo_b"])
+
+    def rank_inputs_and_full_o_by_the_group(self, case: Case, exchange: GroupExchange):
+        """`rank_inputs_and_full_o` with the replicated weights and the O weights drawn a share
+        per rank and exchanged (`layers.fixtures.kept.drawn_by_the_group`,
+        `OWeightRecipe.shard_and_full_by_the_group`): every rank of the group calls it."""
+        with drawn_by_the_group(exchange):
+            inputs = self.inputs_without_o(case, exchange.rank)
+        shard, full = self.o_recipe.shard_and_full_by_the_group(case, exchange.rank, exchange.all_gather)
+        return self._ordered(case, {**inputs, **shard}), full
 
     def _ordered(self, case: Case, built: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {n: built[n] for n, spec in self.tensor_specs(case).items() if spec.kind is not Kind.OUTPUT}

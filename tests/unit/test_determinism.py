@@ -87,3 +87,69 @@ def test_o_weights_drawn_once_are_the_streamed_shard_and_full_weights(layer, sco
     if scope == "full":  # the shard is the rank's own groups of the full weights, not another rank's
         assert _same_bits(inputs["wo_a"], full_a[2 * lg : 3 * lg]) and not _same_bits(inputs["wo_a"], full_a[lg : 2 * lg])
         assert _same_bits(inputs["wo_b"], full_b[:, 2 * lg * ol : 3 * lg * ol].contiguous())
+
+
+class _ThreadGather:
+    """A group exchange among threads standing for a group's ranks: each `all_gather` returns
+    every rank's tensor of that call stacked [P, ...] (`keep_own`: a wrong exchange, only the
+    rank's own), each `broadcast` the source's."""
+
+    def __init__(self, world: int, keep_own: bool = False):
+        import threading
+
+        self.world, self.keep_own = world, keep_own
+        self.barrier, self.sent = threading.Barrier(world), {}
+
+    def for_rank(self, rank: int):
+        calls = iter(range(1 << 30))
+
+        def all_gather(t: torch.Tensor) -> torch.Tensor:
+            call = next(calls)
+            self.sent[call, rank] = t.clone()
+            self.barrier.wait()
+            stacked = torch.stack([self.sent[call, rank if self.keep_own else r] for r in range(self.world)])
+            self.barrier.wait()
+            return stacked
+
+        def broadcast(t, shape, dtype, src: int) -> torch.Tensor:
+            return all_gather(torch.empty(shape, dtype=dtype) if t is None else t)[src].clone()
+
+        from layers.fixtures.draw import GroupExchange
+
+        return GroupExchange(rank, self.world, all_gather, broadcast)
+
+
+def _by_the_group(lay, case, gather: _ThreadGather) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layers.fixtures.kept import forget_kept_weights
+
+    forget_kept_weights()
+    with ThreadPoolExecutor(case.tp) as pool:
+        made = [pool.submit(lay.rank_inputs_and_full_o_by_the_group, case, gather.for_rank(r)) for r in range(case.tp)]
+        made = {r: m.result() for r, m in enumerate(made)}
+    forget_kept_weights()
+    return made
+
+
+@pytest.mark.parametrize("layer", ["swa", "csa", "hca"])
+def test_weights_drawn_a_share_per_rank_and_exchanged_are_the_single_draws_bits(layer):
+    """Each rank drawing its own O-weight groups and a share of the replicated weights, the
+    group exchanging them, gives every rank the bits one rank drawing them all gives; an
+    exchange that hands a rank only its own (a wrong exchange) does not."""
+    from layers.contract.case import Case
+    from layers.contract.config import TINY
+    from layers.registry import get_scope
+
+    lay = get_scope(layer, "full")
+    case = Case(layer, TINY, 4, 32, 11)
+    made = _by_the_group(lay, case, _ThreadGather(case.tp))
+    for rank, (inputs, (wo_a, wo_b)) in made.items():
+        single, (full_a, full_b) = lay.rank_inputs_and_full_o(case, rank)
+        assert list(inputs) == list(single)
+        assert [n for n in single if not _same_bits(inputs[n], single[n])] == []
+        assert _same_bits(wo_a, full_a) and _same_bits(wo_b, full_b)
+    wrong = _by_the_group(lay, case, _ThreadGather(case.tp, keep_own=True))
+    single, _ = lay.rank_inputs_and_full_o(case, 1)
+    assert not _same_bits(wrong[1][0]["wo_b_scale"], single["wo_b_scale"])
+    assert not all(_same_bits(w["wq_a"], single["wq_a"]) for w, _ in wrong.values())  # the ranks that did not draw it
