@@ -26,7 +26,8 @@ class TPKeys:
 
     tp: int  # the TP group size
     local_t: Optional[int]  # tokens per rank; None: the rank's capacity decode_batch*decode_seq/tp
-    start_pos: Any  # None: the layer's canonical start set; an int; or a list (per rank or per group)
+    # None: the layer's canonical start set; an int; or a list (per rank or per group)
+    start_pos: Any = dataclasses.field(metadata={"list": True})
 
 
 @dataclass
@@ -40,6 +41,22 @@ class EPKeys:
 
 
 CASE_KEYS = {"tp": TPKeys, "ep": EPKeys}
+# What the reports derive their case columns from: each set's group-size key (its first field),
+# the sets' other keys, and the keys that may hold a list (shown last, they are long).
+_FIELDS = [(f, i) for keys in CASE_KEYS.values() for i, f in enumerate(dataclasses.fields(keys))]
+GROUP_KEYS = tuple(f.name for f, i in _FIELDS if i == 0)
+SCALAR_KEYS = tuple(f.name for f, i in _FIELDS if i and not f.metadata.get("list"))
+LIST_KEYS = tuple(f.name for f, i in _FIELDS if i and f.metadata.get("list"))
+INT_KEYS = tuple(f.name for f, i in _FIELDS if f.type in ("int", "Optional[int]"))
+
+
+def key_set_columns(present: set[str]) -> tuple[list[str], list[str], list[str]]:
+    """The group, scalar and list keys of the key sets whose group key is in `present` (the
+    first set where none is)."""
+    sets = [keys for group, keys in CASE_KEYS.items() if group in present] or [next(iter(CASE_KEYS.values()))]
+    names = [[f.name for f in dataclasses.fields(keys)] for keys in sets]
+    return ([n[0] for n in names], [k for n in names for k in n[1:] if k in SCALAR_KEYS],
+            [k for n in names for k in n[1:] if k in LIST_KEYS])
 
 # Token counts are whole 8-row tiles (the reference's BIAS_T_TILE / VALID_TOKEN_TILE).
 TOKEN_TILE = 8
