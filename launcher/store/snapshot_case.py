@@ -1,18 +1,19 @@
 """What a snapshot says about its own case, read from its files (validation.md §4: a snapshot is
 bound to one case), so that `golden_data=DIR` alone replays it.
 
-* layer and scope from the tensor names: CSA holds the indexer pools, HCA `cmp_kv` without
-  them, SWA neither; the focused scopes their own tensors (`proj_attention_local_groups`,
-  `kv_group`), and a MoE snapshot its expert weights and `x_next` (recognised, not replayed:
-  the launcher runs the attention layers only). `tp1` differs from `full` by its unsharded
-  `wo_a`. Our manifest.json names both, which a scope snapshot needs for its layer.
-* tp from the leading axis; local_t from `in/local_t.pt` (else x_out's token axis).
+* layer and scope from the tensor names, through each layer's and scope's declaration
+  (`layers.declared`: the names that tell it, which kinds it is recognised before); a MoE
+  snapshot is recognised the same way. `tp1` differs from `full` by its unsharded `wo_a`. Our
+  manifest.json names both, which a scope snapshot needs for its layer.
+* the group size (tp, or the declared key: ep) from the leading axis; the declared case
+  scalars (local_t; MoE's layer_id, num_tokens) from their 0-dim files, local_t else from
+  x_out's token axis.
 * start positions from `in/position_ids`: request b of rank r starts at
   `position_ids[r, b*decode_seq]`, its tokens must be consecutive, and `kv_seq_lens` (where the
   layer has it) must be start + decode_seq. Per-rank starts may differ between ranks.
-* the model: our manifest's fields where it has them; else the dims the tensor shapes fix
-  (`FIELDS`), and the first preset whose dims are those and whose every tensor shape fits the
-  snapshot, or else the closest preset with those dims, named "snapshot".
+* the model: our manifest's fields where it has them; else the dims the tensor shapes fix (the
+  layer's declared `dims`), and the first preset whose dims are those and whose every tensor
+  shape fits the snapshot, or else the closest preset with those dims, named "snapshot".
 * the seed from our manifest only (the reference records none of ours: the MoE one's
   `seed` seeds its own generator, not this project's fixtures).
 
@@ -38,6 +39,7 @@ from launcher.config.replay import Fact, SnapshotFacts
 from launcher.store import snapshot
 from launcher.store.snapshot import Entry
 from launcher.store.snapshot_layer import kind_of
+
 
 def describe(directory: str) -> SnapshotFacts:
     """Everything `directory` says about its case; ConfigError for a file that is not plain

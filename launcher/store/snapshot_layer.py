@@ -3,7 +3,8 @@
 `golden_data=DIR` alone replays the case DIR holds. Its layer decides the config group the run
 composes with (`configs/layer/<name>.yaml`, so which case keys it takes: `golden_data=DIR ep=4`
 of a MoE snapshot), so it is read before composing: our manifest.json's `layer`, else what the
-tensor names tell (each layer's declared `marks`, `layers.declared`). `launcher.store.snapshot_case` reads the rest once composed.
+tensor names tell (each layer's declared `marks`, `layers.declared`).
+`launcher.store.snapshot_case` reads the rest once composed.
 """
 
 from __future__ import annotations
