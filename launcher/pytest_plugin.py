@@ -1,7 +1,7 @@
 """pytest plugin: the `tp_run` fixture runs a layer (or your implementation) on real ranks.
 
     def test_my_kernel(tp_run):
-        assert tp_run(layer="csa", tp=4, model="tiny", impl=MyImpl).passed
+        assert tp_run(layer=LAYER, tp=4, model="tiny", impl=MyImpl).passed
 
 Each call composes the same Hydra config the CLI uses, checks it, and launches the ranks
 through the same launcher in this process (the forkserver stays warm, so later runs start in
@@ -92,7 +92,7 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
 
 @pytest.fixture
 def tp_run(request, tmp_path):
-    """Run a TP decode layer on real ranks: `tp_run(layer="swa", tp=2, model="tiny", impl=...)`."""
+    """Run a TP decode layer on real ranks: `tp_run(layer=LAYER, tp=2, model="tiny", impl=...)`."""
     runs: list[TPRunResult] = []
     request.node._tp_runs = runs  # shown under a failing test by pytest_runtest_makereport
 

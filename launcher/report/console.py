@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+from layers.contract.case import GROUP_KEYS, LIST_KEYS, SCALAR_KEYS, key_set_columns
+
 from launcher.config.rank_phases import RANK_PHASES
 from launcher.report.bisect_lines import render as render_bisect
 from launcher.report.result import verdict, verdict_pair
@@ -46,11 +48,11 @@ def table_lines(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-# The keys that define a case, in the order every report shows them: the attention layers' tp /
-# local_t / start_pos, the MoE layer's ep / layer_id / num_tokens / balanced_routing, the
-# block's attention kind, the prefill's cp / cp_layout / prefix / segment_lens.
-CASE_KEYS = ("layer", "attention", "phase", "scope", "model", "tp", "ep", "cp", "cp_layout", "prefix", "segment_lens",
-             "dp", "local_t", "layer_id", "num_tokens", "balanced_routing", "seed", "start_pos", "backend", "impl")
+# The keys that define a case, in the order every report shows them: the layers' case-key sets
+# (`layers.contract.case.CASE_KEYS`: group sizes, then their other keys, lists last), the
+# prefill's keys.
+CASE_KEYS = ("layer", "phase", "scope", "model", *GROUP_KEYS, "cp", "cp_layout", "prefix", "segment_lens", "dp",
+             *SCALAR_KEYS, "seed", *LIST_KEYS, "backend", "impl")
 
 
 def seed_text(seed) -> object:
@@ -77,10 +79,10 @@ def case_label(c: dict, *between: str) -> str:
 
 
 def group_text(c: dict) -> str:
-    """The size of the case's process group as a key: `ep=P` for the MoE layer, `cp=N` for a
-    prefill, `tp=N` else."""
-    key = next((k for k in ("ep", "cp") if k in c), "tp")
-    return f"{key}={c.get(key)}"
+    """The sizes of the case's process groups as keys (`tp=N`, `ep=P`, both for the block,
+    `cp=N` for a prefill)."""
+    sizes = [k for k in (*GROUP_KEYS, "cp") if c.get(k) is not None]
+    return " ".join(f"{k}={c[k]}" for k in sizes) or f"{GROUP_KEYS[0]}={c.get(GROUP_KEYS[0])}"
 
 
 def snapshot_line(snapshot: dict, case: dict) -> str:
@@ -101,16 +103,11 @@ def case_line(c: dict) -> str:
 
 
 def case_columns(rows: list[dict]) -> list[str]:
-    """The case keys a table of sweep jobs shows: the attention layers' where any job is one (or
-    none is the MoE layer's), the MoE layer's where any job is one; dp where a job had several
-    groups."""
-    moe = any(r.get("ep") is not None for r in rows)
-    attention = not moe or any(r.get("tp") is not None for r in rows)
+    """The case keys a table of sweep jobs shows: each key set whose group key some job has (the
+    first set where none has); dp where a job had several groups."""
+    groups, scalars, lists = key_set_columns({frozenset(k for k in GROUP_KEYS if r.get(k) is not None) for r in rows})
     grouped = any((r.get("dp") or 1) > 1 for r in rows)
-    block = any(r.get("attention") is not None for r in rows)
-    return [*(["attention"] if block else []), *(["tp"] if attention else []), *(["ep"] if moe else []), *(["dp"] if grouped else []),
-            *(["local_t"] if attention else []), *(["layer_id", "num_tokens", "balanced_routing"] if moe else []),
-            *(["start_pos"] if attention else [])]
+    return [*groups, *(["dp"] if grouped else []), *scalars, *lists]
 
 
 # Run keys beside the case that a sweep's table shows where its jobs differ in them: two jobs

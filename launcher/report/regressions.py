@@ -32,13 +32,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from layers.contract.case import GROUP_KEYS, LIST_KEYS, SCALAR_KEYS
+
 from launcher.report.console import fmt, seed_text, table_lines
 from launcher.report.result import SCHEMA_VERSION, verdict
 from launcher.report.sweep_summary import collect_rows, job_row
 
 # The keys that define a case; `impl`, `backend` and the job number do not.
-CASE_KEYS = ("layer", "attention", "scope", "model", "tp", "ep", "layer_id", "num_tokens", "balanced_routing", "dp", "local_t",
-             "start_pos", "seed")
+CASE_KEYS = ("layer", "phase", "cp", "cp_layout", "prefix", "segment_lens", "scope", "model", *GROUP_KEYS, "dp", *SCALAR_KEYS, *LIST_KEYS, "seed")
 NOT_PASSED = ("FAIL", "ERROR", "SKIP")
 
 

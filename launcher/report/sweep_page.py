@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from layers.contract.case import GROUP_KEYS, INT_KEYS, LIST_KEYS
+
 from launcher.report import svg
 from launcher.config.verdict_words import fails_the_run
 from launcher.report.console import case_columns, fmt, starts_text, varied_columns, varying_keys
@@ -88,13 +90,13 @@ def render(summary: dict, sweep_dir: str) -> str:
     return document(f"{word} sweep {name}", body, FILTER_SCRIPT)
 
 
-NUMERIC = ("tp", "ep", "dp", "local_t", "layer_id", "num_tokens")
+NUMERIC = ("dp", *INT_KEYS)
 
 
 def _filter_keys(rows: list[dict]) -> list[str]:
     """What the table filters by: layer, scope, model, the case keys the table shows (but
-    local_t and start_pos: a sweep's many values), verdict."""
-    case = [k for k in case_columns(rows) + varied_columns(rows) if k not in ("local_t", "start_pos")]
+    tokens and start positions: a sweep's many values), verdict."""
+    case = [k for k in case_columns(rows) + varied_columns(rows) if k not in ("local_t", *LIST_KEYS)]
     return ["layer", "scope", "model", *case, "verdict"]
 
 
@@ -185,7 +187,7 @@ def _map(rows: list[dict]) -> list[str]:
         broken = {c["tensor"] for c in integrity_failures(res)} if res and res.get("status") == "ok" else set()
         failed.append([t in broken or (t in by_name and fails_the_run(by_name[t])) for t in tensors])
     # A job is named by its group size and by each other case key the sweep varies.
-    keys = [k for k in case_columns(rows) if k in ("tp", "ep") or len({_value(r, k) for r in rows}) > 1]
+    keys = [k for k in case_columns(rows) if k in GROUP_KEYS or len({_value(r, k) for r in rows}) > 1]
     keys += varied_columns(rows)
     labels = [" ".join(x for x in (f"{r['job']}", _value(r, "layer"),
                                    "" if r.get("scope") in (None, "full") else r["scope"], _value(r, "model"),

@@ -38,6 +38,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from layers.contract.case import GROUP_KEYS, LIST_KEYS, SCALAR_KEYS
 from layers.contract.config import ConfigError
 
 from launcher.config.slurm import node_output_dir
@@ -66,8 +67,6 @@ SUMMARY_COUNTS = {"passed": "PASS", "failed": "FAIL", "errors": "ERROR", "skippe
 # The exit status a job's verdict stands for; a fail_fast skip follows a job that did not pass,
 # which already decides the sweep's status.
 EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "ERROR": EXIT_ERROR, "SKIP": EXIT_PASS, "UNCHECKED": EXIT_PASS}
-# The MoE layer's case keys a job's row carries (only its rows: an attention job's stay as they were).
-MOE_KEYS = ("ep", "layer_id", "num_tokens", "balanced_routing")
 
 
 # -- one row per job ---------------------------------------------------------------------------
@@ -92,10 +91,8 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
                    message="the job wrote no result.json (it was killed, lost or never started)")
         return row
     case = result["case"]
-    row.update({k: case.get(k) for k in ("layer", "scope", "model", "tp", "local_t", "start_pos", "seed", "impl")})
-    if "attention" in case:  # layer=block
-        row["attention"] = case["attention"]
-    row.update({k: case[k] for k in MOE_KEYS if k in case})
+    row.update({k: case.get(k) for k in ("layer", "phase", "cp", "cp_layout", "prefix", "segment_lens", "scope", "model", *GROUP_KEYS, *SCALAR_KEYS, *LIST_KEYS, "seed",
+                                         "impl")})
     row["dp"] = case.get("dp", 1)
     row.update(status=result["status"], passed=bool(result["passed"]), wall_s=result.get("wall_s"))
     verdicts = result.get("verdicts", []) + result.get("recomputed_verdicts", [])
@@ -178,7 +175,7 @@ def _xml_text(s: str) -> str:
 
 
 # The case's own fields, named first and in this order; the other overrides follow, sorted.
-_CASE_KEYS = ("model", "attention", "tp", "ep", "dp", "local_t", "layer_id", "num_tokens", "balanced_routing", "start_pos", "seed")
+_CASE_KEYS = ("model", *GROUP_KEYS, "dp", *SCALAR_KEYS, *LIST_KEYS, "seed")
 
 
 def case_name(row: dict) -> str:

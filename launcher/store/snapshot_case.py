@@ -1,18 +1,19 @@
 """What a snapshot says about its own case, read from its files (validation.md §4: a snapshot is
 bound to one case), so that `golden_data=DIR` alone replays it.
 
-* layer and scope from the tensor names: CSA holds the indexer pools, HCA `cmp_kv` without
-  them, SWA neither; the focused scopes their own tensors (`proj_attention_local_groups`,
-  `kv_group`), and a MoE snapshot its expert weights and `x_next` (recognised, not replayed:
-  the launcher runs the attention layers only). `tp1` differs from `full` by its unsharded
-  `wo_a`. Our manifest.json names both, which a scope snapshot needs for its layer.
-* tp from the leading axis; local_t from `in/local_t.pt` (else x_out's token axis).
+* layer and scope from the tensor names, through each layer's and scope's declaration
+  (`layers.declared`: the names that tell it, which kinds it is recognised before); a MoE
+  snapshot is recognised the same way. `tp1` differs from `full` by its unsharded `wo_a`. Our
+  manifest.json names both, which a scope snapshot needs for its layer.
+* the group size (tp, or the declared key: ep) from the leading axis; the declared case
+  scalars (local_t; MoE's layer_id, num_tokens) from their 0-dim files, local_t else from
+  x_out's token axis.
 * start positions from `in/position_ids`: request b of rank r starts at
   `position_ids[r, b*decode_seq]`, its tokens must be consecutive, and `kv_seq_lens` (where the
   layer has it) must be start + decode_seq. Per-rank starts may differ between ranks.
-* the model: our manifest's fields where it has them; else the dims the tensor shapes fix
-  (`FIELDS`), and the first preset whose dims are those and whose every tensor shape fits the
-  snapshot, or else the closest preset with those dims, named "snapshot".
+* the model: our manifest's fields where it has them; else the dims the tensor shapes fix (the
+  layer's declared `dims`), and the first preset whose dims are those and whose every tensor
+  shape fits the snapshot, or else the closest preset with those dims, named "snapshot".
 * the seed from our manifest only (the reference records none of ours: the MoE one's
   `seed` seeds its own generator, not this project's fixtures).
 
@@ -25,90 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 
 import torch
 
 from layers.contract.case import Case, MoECase
 from layers.contract.config import PRESETS, ConfigError, ModelConfig
-from layers.registry import get_scope
+from layers.contract.declaration import Declaration, Dim
+from layers.declared import declaration
+from layers.registry import PREFILL, get_scope, layer_names
 
 from launcher.config.replay import Fact, SnapshotFacts
 from launcher.store import snapshot
 from launcher.store.snapshot import Entry
-from launcher.store.snapshot_layer import KINDS, SCOPE_KINDS, kind_of
-
-# The file to cite for tp, by what the snapshot holds (first one present).
-TP_ANCHORS = {"output": ("in/q", "out/o_local"), "collectives": ("in/kv_local", "out/o_local"),
-              "moe": ("in/x_hc", "out/x_next")}
-FULL_TP_ANCHORS = ("in/x_hc", "out/x_out", "in/wo_a")
-
-Rule = tuple[str, tuple[str, ...], Callable[[tuple, int, dict], int]]
-
-
-def _axis(i: int) -> Callable[[tuple, int, dict], int]:
-    return lambda shape, tp, fields: shape[i]
-
-
-def _groups(shape: tuple, tp: int, fields: dict) -> int:
-    # wo_a's last axis is one group's input width heads_per_group * head_dim.
-    return fields["num_attention_heads"] * fields["head_dim"] // shape[-1]
-
-
-# (model field, the files that fix it (first present), its value from the file's shape) per
-# layer or scope, in dependency order. Shapes are rank-stacked: axis 0 is tp.
-_FRONT: tuple[Rule, ...] = (
-    ("hidden_size", ("in/x_hc", "out/x_out"), _axis(-1)),
-    ("hc_mult", ("in/x_hc", "out/x_out"), _axis(-2)),
-    ("q_lora_rank", ("in/wq_a",), _axis(-1)),
-    ("head_dim", ("in/wkv",), _axis(-1)),
-    ("num_attention_heads", ("in/attn_sink",), _axis(-1)),
-    ("o_lora_rank", ("in/wo_a",), _axis(-2)),
-    ("o_groups", ("in/wo_a",), _groups),
-    ("kv_ori_block_num", ("in/kv_cache", "out/kv_cache"), _axis(1)),
-    ("block_size", ("in/kv_cache", "out/kv_cache"), _axis(2)),
-    ("qk_rope_head_dim", ("in/freqs_cos",), _axis(-1)),
-)
-_COMPRESSED: tuple[Rule, ...] = (
-    ("sliding_window", ("in/window_swa_indices",), _axis(-1)),
-    ("kv_cmp_block_num", ("in/cmp_kv", "out/cmp_kv"), _axis(1)),
-)
-FIELDS: dict[str, tuple[Rule, ...]] = {
-    "swa": _FRONT + (("sliding_window", ("in/swa_indices",), _axis(-1)),),
-    "hca": _FRONT + _COMPRESSED + (
-        ("hca_state_physical_blocks", ("in/compress_state", "out/compress_state"), _axis(1)),
-        ("c128_state_block_size", ("in/compress_state", "out/compress_state"), _axis(2)),
-        ("decode_batch", ("in/cmp_freqs_cos",), lambda shape, tp, fields: shape[1] * tp),
-    ),
-    "csa": _FRONT + _COMPRESSED + (
-        ("max_position_embeddings", ("in/freqs_cos",), _axis(1)),
-        ("csa_state_physical_blocks", ("in/compress_state", "out/compress_state"), _axis(1)),
-        ("c4a_state_block_size", ("in/compress_state", "out/compress_state"), _axis(2)),
-        ("csa_inner_state_physical_blocks", ("in/inner_compress_state", "out/inner_compress_state"), _axis(1)),
-        ("idx_cache_block_num", ("in/idx_kv_cache", "out/idx_kv_cache"), _axis(1)),
-        ("index_head_dim", ("in/idx_kv_cache", "out/idx_kv_cache"), _axis(-1)),
-        ("index_n_heads", ("in/idx_wq_b",), lambda shape, tp, fields: shape[-1] // fields["index_head_dim"]),
-    ),
-    "output": (
-        ("num_attention_heads", ("in/q",), _axis(-2)),
-        ("head_dim", ("in/q",), _axis(-1)),
-        ("hidden_size", ("in/wo_b", "out/o_local"), lambda shape, tp, fields: shape[1] if len(shape) == 3 else shape[-1]),
-        ("o_lora_rank", ("in/wo_a",), _axis(-2)),
-        ("o_groups", ("in/wo_a",), _groups),
-        ("kv_ori_block_num", ("in/kv_cache",), _axis(1)),
-        ("block_size", ("in/kv_cache",), _axis(2)),
-        ("sliding_window", ("in/swa_indices",), _axis(-1)),
-        ("qk_rope_head_dim", ("in/freqs_cos",), _axis(-1)),
-    ),
-    "collectives": (("hidden_size", ("in/kv_local", "out/o_local"), _axis(-1)),),
-    "moe": (
-        ("hidden_size", ("in/x_hc", "out/x_next"), _axis(-1)),
-        ("hc_mult", ("in/x_hc", "out/x_next"), _axis(-2)),
-        ("moe_intermediate_size", ("in/shared_w1", "in/routed_w1"), _axis(-2)),
-        ("vocab_size", ("in/tid2eid",), _axis(1)),
-        ("num_experts_per_tok", ("in/tid2eid",), _axis(-1)),
-    ),
-}
+from launcher.store.snapshot_layer import kind_of
 
 
 def describe(directory: str) -> SnapshotFacts:
@@ -126,25 +56,27 @@ def describe(directory: str) -> SnapshotFacts:
     facts: dict = {}
     if "layer" in manifest:
         facts["layer"] = Fact(manifest["layer"], manifest_path)
-    elif kind not in (None, *SCOPE_KINDS):
+    elif kind is not None and not kind.scope:
         facts["layer"] = _marked(entries, kind)
+    # A scope's snapshot without our manifest names no layer: the first layer's is assumed.
+    layer_name = facts["layer"].value if "layer" in facts else layer_names()[0]
+    layer = declaration(layer_name)
+    group_key = (layer or kind).group_key if (layer or kind) else "tp"
     tp_fact = _tp(entries, kind)
     if tp_fact is not None:
-        facts["ep" if kind == "moe" else "tp"] = tp_fact
+        facts[group_key] = tp_fact
     tp = tp_fact.value if tp_fact else 1
-    fields_kind = kind if kind in SCOPE_KINDS else facts["layer"].value if "layer" in facts else None
-    derived = _derived_fields(entries, FIELDS.get(fields_kind, ()), tp)
+    shapes_of = kind if kind is not None and kind.scope else layer if "layer" in facts else None
+    derived = _derived_fields(entries, shapes_of.dims if shapes_of else (), tp)
     scope = _scope(manifest, manifest_path, kind, entries, derived, tp)
     if scope is not None:
         facts["scope"] = scope
-    local_t = _local_t(entries)
-    if local_t is not None:
-        facts["local_t"] = local_t
+    if layer is not None:
+        facts.update(_scalars(entries, layer, tp))
     if manifest.get("seed") is not None:  # null: saved from a replay of a snapshot without one
         facts["seed"] = Fact(int(manifest["seed"]), manifest_path)
-    layer_name = facts["layer"].value if "layer" in facts else "swa"
-    if layer_name == "moe":
-        facts.update(_moe_scalars(entries))
+    local_t = facts.get("local_t")
+    if group_key == "ep":
         case = MoECase(model=PRESETS["flash"], ep=tp, seed=0)
     else:
         case = Case(layer=layer_name, model=PRESETS["flash"], tp=tp, local_t=local_t.value if local_t else 0, seed=0,
@@ -181,7 +113,7 @@ def _describe_prefill(directory: str, entries: dict[str, Entry], manifest: dict,
     dims the shapes fix."""
     mark = entries["in/reverse_index"]
     x_hc = entries["in/x_hc"]
-    facts: dict = {"layer": Fact(manifest.get("layer", "swa"), manifest_path if "layer" in manifest else x_hc.path,
+    facts: dict = {"layer": Fact(manifest.get("layer", next(iter(PREFILL))), manifest_path if "layer" in manifest else x_hc.path,
                                  "" if "layer" in manifest else "the tensors it holds"),
                    "phase": Fact("prefill", mark.path, "the tensors it holds"),
                    "cp": Fact(x_hc.shape[0], x_hc.path, "its leading axis")}
@@ -215,71 +147,64 @@ def _prefill_lengths(reverse_index: list[int], active: torch.Tensor) -> list[int
     return [int(active[b // 2, b % 2]) for b in reverse_index]
 
 
-def _moe_scalars(entries: dict[str, Entry]) -> dict[str, Fact]:
-    """The MoE case's layer_id and num_tokens, each from its 0-dim int32 file."""
+def _scalars(entries: dict[str, Entry], layer: Declaration, group: int) -> dict[str, Fact]:
+    """The case keys `layer` stores as 0-dim int32 files `in/<key>.pt`, else where its tensor
+    shapes fix them (`Declaration.case_dims`)."""
     facts = {}
-    for key in ("layer_id", "num_tokens"):
+    for key in layer.scalars:
         entry = entries.get(f"in/{key}")
         if entry is not None:
             facts[key] = Fact(int(snapshot.load_scalar(entry.path, torch.int32)), entry.path)
-    return facts
+    shaped = _derived_fields(entries, tuple(d for d in layer.case_dims if d.field not in facts), group)
+    return facts | {key: Fact(f.value, f.source, "its token axis") for key, f in shaped.items()}
 
 
-def _marked(entries: dict[str, Entry], kind: str) -> Fact:
+def _marked(entries: dict[str, Entry], kind: Declaration) -> Fact:
     """`kind` as a fact, cited from the first file whose name tells it."""
-    marks = dict(KINDS)[kind]
-    key = next(f"{sub}/{n}" for sub in snapshot.SUBDIRS for n in marks if f"{sub}/{n}" in entries)
-    return Fact(kind, entries[key].path, "the tensors it holds")
+    key = next(f"{sub}/{n}" for sub in snapshot.SUBDIRS for n in kind.marks if f"{sub}/{n}" in entries)
+    return Fact(kind.name, entries[key].path, "the tensors it holds")
 
 
-def _tp(entries: dict[str, Entry], kind: str | None) -> Fact | None:
+def _tp(entries: dict[str, Entry], kind: Declaration | None) -> Fact | None:
     """The leading axis most files share (one damaged file is then named by the shape check),
     cited from the layer's anchor file where that one has it."""
     leading = [e.shape[0] for e in entries.values() if e.shape]
     if not leading:
         return None
     tp = max(set(leading), key=leading.count)
-    keys = [k for k in TP_ANCHORS.get(kind, FULL_TP_ANCHORS) if k in entries] + list(entries)
+    keys = [k for k in (kind.anchors if kind else ()) if k in entries] + list(entries)
     key = next(k for k in keys if entries[k].shape and entries[k].shape[0] == tp)
     return Fact(tp, entries[key].path, "its leading axis")
 
 
-def _derived_fields(entries: dict[str, Entry], rules: tuple[Rule, ...], tp: int) -> dict[str, Fact]:
+def _derived_fields(entries: dict[str, Entry], dims: tuple[Dim, ...], tp: int) -> dict[str, Fact]:
+    """The values `dims` read from the files present (the first file of each that is there)."""
     values: dict[str, int] = {}
     facts: dict[str, Fact] = {}
-    for name, keys, value in rules:
-        key = next((k for k in keys if k in entries), None)
+    for dim in dims:
+        name = dim.field
+        key = next((k for k in dim.files if k in entries), None)
         if key is None or name in values:
             continue
         try:
-            values[name] = int(value(entries[key].shape, tp, values))
+            values[name] = int(dim.value(entries[key].shape, tp, values))
         except (IndexError, KeyError, ZeroDivisionError):  # a shape the final check will name
             continue
         facts[name] = Fact(values[name], entries[key].path, f"shape {entries[key].shape}")
     return facts
 
 
-def _scope(manifest: dict, manifest_path: str, kind: str | None, entries: dict[str, Entry],
+def _scope(manifest: dict, manifest_path: str, kind: Declaration | None, entries: dict[str, Entry],
            derived: dict[str, Fact], tp: int) -> Fact | None:
     if "scope" in manifest:
         return Fact(manifest["scope"], manifest_path)
-    if kind in SCOPE_KINDS:
+    if kind is not None and kind.scope:
         return _marked(entries, kind)
     wo_a, groups = entries.get("in/wo_a"), derived.get("o_groups")
     if kind is None or wo_a is None or groups is None or tp == 1:
         return None
     # tp1 runs every rank with the full O weights: wo_a holds every group, not G/tp of them.
     return Fact("tp1" if wo_a.shape[1] == groups.value else "full", wo_a.path, f"shape {wo_a.shape}")
-
-
-def _local_t(entries: dict[str, Entry]) -> Fact | None:
-    if "in/local_t" in entries:
-        path = entries["in/local_t"].path
-        return Fact(int(snapshot.load_scalar(path, torch.int32)), path)
-    x_out = entries.get("out/x_out")
-    if x_out is not None and len(x_out.shape) == 4:
-        return Fact(x_out.shape[1], x_out.path, "its token axis")
-    return None
 
 
 def _manifest_model(fields: dict, source: str) -> ModelConfig:

@@ -3,7 +3,8 @@
 `golden_data=DIR` alone replays the case DIR holds. Its layer decides the config group the run
 composes with (`configs/layer/<name>.yaml`, so which case keys it takes: `golden_data=DIR ep=4`
 of a MoE snapshot), so it is read before composing: our manifest.json's `layer`, else what the
-tensor names tell (`KINDS`). `launcher.store.snapshot_case` reads the rest once composed.
+tensor names tell (each layer's declared `marks`, `layers.declared`).
+`launcher.store.snapshot_case` reads the rest once composed.
 """
 
 from __future__ import annotations
@@ -12,27 +13,17 @@ import json
 import os
 from collections.abc import Sequence
 
+from layers.contract.declaration import Declaration
+from layers.declared import declarations
+
 from launcher.config.overrides import override_keys
 
 MANIFEST = "manifest.json"
 SUBDIRS = ("in", "out")
 
-# Names that tell what a snapshot holds, checked in this order (a scope holds some of the
-# layers' names too). MoE: moe.md §3's expert weights, its hash table and output.
-KINDS = (
-    ("moe", ("x_next", "tid2eid", "routed_w1", "shared_w1")),
-    ("output", ("proj_attention_local_groups", "proj_wo_a")),
-    ("collectives", ("kv_group", "kv_local", "attention_local_groups")),
-    ("csa", ("idx_kv_cache", "idx_kv_scale", "inner_compress_state", "idx_wq_b")),
-    ("hca", ("cmp_kv", "cmp_freqs_cos")),
-    ("swa", ("swa_slot_mapping", "swa_indices", "x_out", "x_hc")),
-)
-SCOPE_KINDS = ("output", "collectives")  # the focused scopes whose tensors are their own
-
-
-def kind_of(names: set[str]) -> str | None:
-    """What tensors named `names` are a snapshot of: a layer, a focused scope, or None."""
-    return next((kind for kind, marks in KINDS if any(n in names for n in marks)), None)
+def kind_of(names: set[str]) -> Declaration | None:
+    """What tensors named `names` are a snapshot of (a layer or a focused scope), or None."""
+    return next((d for d in declarations() if any(n in names for n in d.marks)), None)
 
 
 def snapshot_layer(directory: str) -> str | None:
@@ -48,7 +39,7 @@ def snapshot_layer(directory: str) -> str | None:
     names = {file[:-3] for sub in SUBDIRS if os.path.isdir(os.path.join(directory, sub))
              for file in os.listdir(os.path.join(directory, sub)) if file.endswith(".pt")}
     kind = kind_of(names)
-    return None if kind in SCOPE_KINDS else kind
+    return None if kind is None or kind.scope else kind.name
 
 
 def with_snapshot_layer(overrides: Sequence[str]) -> list[str]:
@@ -64,4 +55,4 @@ def with_snapshot_layer(overrides: Sequence[str]) -> list[str]:
     return overrides + [f"layer={layer}"] if layer is not None else overrides
 
 
-__all__ = ["MANIFEST", "SUBDIRS", "KINDS", "SCOPE_KINDS", "kind_of", "snapshot_layer", "with_snapshot_layer"]
+__all__ = ["MANIFEST", "SUBDIRS", "kind_of", "snapshot_layer", "with_snapshot_layer"]

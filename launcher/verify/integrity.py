@@ -48,7 +48,7 @@ pool from before the step only the zeros are looked for.
 concentration, on the reference's own per-point rule (validation.md §10.2: rdiff > diff_thd,
 non-finite counted bad). Rounding noise spreads over a tensor; a logic defect (a dropped MoE
 route, one wrong hc stream) puts its bad points in a few units. A unit (a rank, a rank's token
-row, a rank's hc stream: `where.AXES`; axes of length 1 and the rank at P = 1 are no units)
+row, a rank's hc stream: the check's `axes`; axes of length 1 and the rank at P = 1 are no units)
 fails when all three hold:
   * at least 8 bad points (`CONCENTRATION_MIN_BAD`): a short unit is no evidence;
   * a bad fraction of at least 1/4 (`CONCENTRATION_FLOOR`): at a noise level near the budget
@@ -81,7 +81,7 @@ from launcher.config.verdict_words import CHECKS
 from launcher.verify.base import MAX_EXAMPLES, initial_key, unravel
 from launcher.verify.pool import unchanged_rows
 from launcher.verify.ratio import ratio_reldiff
-from launcher.verify.where import AXES
+from launcher.verify.where import axis_names
 
 CAP_FACTOR = 128  # float tensors: the cap in tolerance bands
 INT8_CAP_CODES = 16  # int8 pools: the cap in quantization codes
@@ -358,7 +358,7 @@ def _concentration(check: RelDiffCheck, actual: torch.Tensor, expected: torch.Te
     fraction = n_bad / bad.numel() if bad.numel() else 0.0
     rule = (f"a unit with >= {CONCENTRATION_MIN_BAD} bad points and a bad fraction >= {CONCENTRATION_FLOOR:g} "
             f"and >= {CONCENTRATION_FACTOR} x the rest of the tensor's")
-    names = AXES.get(check.output, ("row",) + tuple(f"axis{i}" for i in range(2, actual.dim())))
+    names = axis_names(check, actual.dim())
     units = [("rank", bad.reshape(p, -1).sum(dim=1, keepdim=True))] if p > 1 else []
     for axis in range(1, actual.dim() - 1):  # the last axis holds one row's channels: no unit
         if actual.shape[axis] > 1:  # a unit of one is the whole rank

@@ -3,8 +3,9 @@
 `error_maps` reduces one compared output (stacked `[P, ...]` actual and golden, as rank 0
 holds them after the gather) to small JSON-ready grids, one row per rank:
 
-* `x_out` `[P, t, HC, D]` (ratio_reldiff checks): rank x token block (lcm(decode_seq, 8)
-  tokens: whole requests, whole 8-row token tiles), and rank x hc copy;
+* a hidden state `[P, t, HC, D]` (ratio_reldiff checks; its axes as the check names them):
+  rank x token block (lcm(decode_seq, 8) tokens: whole requests, whole 8-row token tiles), and
+  rank x hc copy;
 * a mapped pool `[P, NB, block, ...]` (mapped-pool checks): rank x physical block, counting
   the out-of-tolerance values of the rows the step mapped plus every changed value of a row it
   did not map (a stray write), and rank x head where the pool has a head axis wider than 1.
@@ -33,9 +34,14 @@ from layers.contract.checks import Check, PoolCheck, RelDiffCheck
 from launcher.config.resolvers import row_block
 from launcher.verify.ratio import ratio_reldiff
 
-# What the axes of a compared output mean after its leading rank axis (the integrity checks
-# count bad points per token and per hc stream by them).
-AXES = {"x_out": ("token", "hc", "channel"), "x_next": ("token", "hc", "channel")}
+
+
+def axis_names(check: RelDiffCheck, dims: int) -> tuple[str, ...]:
+    """What the axes of a compared output of `dims` axes mean after its leading rank axis: the
+    check's declared `axes`, else row, axis2, ... (the integrity checks count bad points per
+    unit by them)."""
+    return check.axes or ("row",) + tuple(f"axis{i}" for i in range(2, dims))
+
 _POOL_AXES = {3: ("block", "row", "channel"), 4: ("block", "row", "head", "channel")}
 
 
@@ -73,7 +79,7 @@ def _reldiff_maps(name: str, check: RelDiffCheck, a: torch.Tensor, e: torch.Tens
     bad = (rdiff > check.diff_thd) | ~finite
     diff = torch.where(finite, diff, 0.0)
     p, t = a.shape[0], a.shape[1]
-    axes = AXES.get(name, ("row",) + tuple(f"axis{i}" for i in range(2, a.dim())))
+    axes = axis_names(check, a.dim())
     blocks = t // row_block
     per_block = bad.reshape(p, blocks, -1)
     maps = [_grid(

@@ -20,20 +20,24 @@ from .config import MOE_MAX_EP, ConfigError, ModelConfig, round_up
 
 # -- the config keys of a layer's case: a layer's config group (configs/layer/<name>.yaml) names
 # its set and gives every key's default; the launcher's schema refuses the keys of other sets.
+GROUP = {"group": True}  # the metadata of a key that sizes the case's process group
+
+
 @dataclass
 class TPKeys:
     """The keys of a TP layer's case (`Case`)."""
 
-    tp: int  # the TP group size
+    tp: int = dataclasses.field(metadata=GROUP)  # the TP group size
     local_t: Optional[int]  # tokens per rank; None: the rank's capacity decode_batch*decode_seq/tp
-    start_pos: Any  # None: the layer's canonical start set; an int; or a list (per rank or per group)
+    # None: the layer's canonical start set; an int; or a list (per rank or per group)
+    start_pos: Any = dataclasses.field(metadata={"list": True})
 
 
 @dataclass
 class EPKeys:
     """The keys of an EP layer's case (`MoECase`)."""
 
-    ep: int  # the EP group size
+    ep: int = dataclasses.field(metadata=GROUP)  # the EP group size
     layer_id: int  # the decoder layer: below num_hash_layers, hash routing
     num_tokens: Optional[int]  # active tokens per rank; None: all T
     balanced_routing: bool  # every expert gets exactly the same number of routes
@@ -43,14 +47,35 @@ class EPKeys:
 class BlockKeys:
     """The keys of the decoder layer's case (`layers.block.case.BlockCase`)."""
 
-    ep: int  # the world: the MoE's EP group size
-    tp: int  # the attention's TP group size (must divide ep)
+    ep: int = dataclasses.field(metadata=GROUP)  # the world: the MoE's EP group size
+    tp: int = dataclasses.field(metadata=GROUP)  # the attention's TP group size (must divide ep)
     attention: Optional[str]  # swa | csa | hca; None: by layer_id's place in the layer schedule
     layer_id: Optional[int]  # the decoder layer; None: the attention kind's first (both None: layer 10)
     local_t: Optional[int]  # attention tokens per rank; None: the capacity, at most the MoE's 128
 
 
 CASE_KEYS = {"tp": TPKeys, "ep": EPKeys, "block": BlockKeys}
+# What the reports derive their case columns from: the keys that size a group (marked GROUP),
+# the sets' other keys, and the keys that may hold a list (shown last, they are long).
+_FIELDS = list({f.name: f for keys in CASE_KEYS.values() for f in dataclasses.fields(keys)}.values())
+GROUP_KEYS = tuple(f.name for f in _FIELDS if f.metadata.get("group"))
+SCALAR_KEYS = tuple(f.name for f in _FIELDS if not f.metadata.get("group") and not f.metadata.get("list"))
+LIST_KEYS = tuple(f.name for f in _FIELDS if f.metadata.get("list"))
+INT_KEYS = tuple(f.name for f in _FIELDS if f.type in ("int", "Optional[int]"))
+
+
+def _group_of(keys: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(keys) if f.metadata.get("group"))
+
+
+def key_set_columns(present: set[frozenset[str]]) -> tuple[list[str], list[str], list[str]]:
+    """The group, scalar and list keys of the key sets whose group keys are exactly those some
+    row has (`present`: each row's set of group keys; the first key set where none matches)."""
+    sets = [keys for keys in CASE_KEYS.values() if _group_of(keys) in present] or [next(iter(CASE_KEYS.values()))]
+    names = list(dict.fromkeys(f.name for keys in sets for f in dataclasses.fields(keys)))
+    return ([n for n in names if n in GROUP_KEYS], [n for n in names if n in SCALAR_KEYS],
+            [n for n in names if n in LIST_KEYS])
+
 
 # Token counts are whole 8-row tiles (the reference's BIAS_T_TILE / VALID_TOKEN_TILE).
 TOKEN_TILE = 8

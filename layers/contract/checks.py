@@ -37,6 +37,8 @@ class RelDiffCheck:
     `concentrates_in`: the units ("rank", or an axis: "token", "hc") in which a correct
     implementation's bad points may gather, which the launcher's concentration check then
     leaves alone (CSA's token rows: a top-k flip of the indexer changes one token's row).
+    `axes`: what the output's axes after the rank axis mean, which the error grids and the
+    concentration check's units are named by (unnamed: row, axis2, ...).
     """
 
     output: str
@@ -44,6 +46,11 @@ class RelDiffCheck:
     pct_thd: float
     max_diff_hd: float
     concentrates_in: tuple[str, ...] = ()
+    axes: tuple[str, ...] = ()
+
+
+# The axes of a layer's hidden-state output (x_out, x_next): [t, hc, D].
+HIDDEN_AXES = ("token", "hc", "channel")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ..attention.layer import AttentionLayer
 from ..components import attention, hca_compressor, metadata
 from ..components.kv_cache import write_rows
 from ..contract.case import Case
-from ..contract.checks import Check, PoolCheck, RelDiffCheck
+from ..contract.checks import HIDDEN_AXES, Check, PoolCheck, RelDiffCheck
 from ..contract.config import ConfigError, ModelConfig, ceil_div
 from ..contract.context import RankContext
 from ..contract.stage import Stage, Values
@@ -159,7 +159,7 @@ class HCALayer(AttentionLayer):
             PoolCheck("compress_state", "state_slot_mapping", sb, atol=1e-3, rtol=1 / 128, pool_name="compressor state"),
             PoolCheck("kv_cache", "ori_slot_mapping", bs, atol=1e-3, rtol=1 / 128, pool_name="original KV cache"),
             PoolCheck("cmp_kv", "cmp_slot_mapping", bs, atol=1e-3, rtol=1 / 128, pool_name="compressed KV cache"),
-            RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1),
+            RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1, axes=HIDDEN_AXES),
         )
 
     def start_positions(self, case: Case) -> list[list[int]]:

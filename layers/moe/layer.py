@@ -37,7 +37,7 @@ from ..components import hc
 from ..components import moe as moe_math
 from ..components import moe_routing as routing
 from ..contract.case import MoECase
-from ..contract.checks import ActiveRowsCheck, AllcloseCheck, RelDiffCheck
+from ..contract.checks import HIDDEN_AXES, ActiveRowsCheck, AllcloseCheck, RelDiffCheck
 from ..contract.config import ConfigError
 from ..contract.context import RankContext
 from ..contract.stage import Stage
@@ -90,7 +90,7 @@ def tensor_specs(case: MoECase) -> dict[str, TensorSpec]:
 def checks_of(model) -> tuple[RelDiffCheck, ...]:
     """§8: x_next alone, `ratio_reldiff(3e-3, 0.05)` over all T rows of every rank (no mask:
     an inactive token's x_next is its residual mix) with one pooled budget, no single-point cap."""
-    return (RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf")),)
+    return (RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"), axes=HIDDEN_AXES),)
 
 
 def checks(case: MoECase) -> tuple[RelDiffCheck, ...]:

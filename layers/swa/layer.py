@@ -15,7 +15,7 @@ from ..attention.layer import AttentionLayer, check_distinct_writes
 from ..components import attention
 from ..components.kv_cache import write_rows
 from ..contract.case import Case
-from ..contract.checks import Check, PoolCheck, RelDiffCheck
+from ..contract.checks import HIDDEN_AXES, Check, PoolCheck, RelDiffCheck
 from ..contract.config import ConfigError, ModelConfig
 from ..contract.context import RankContext
 from ..contract.stage import Stage, Values
@@ -79,7 +79,7 @@ class SWALayer(AttentionLayer):
         return (
             PoolCheck("kv_cache", mapping="swa_slot_mapping", block_size=model.block_size, atol=1e-4, rtol=1 / 128,
                       max_error_ratio=0.005, pool_name="KV cache"),
-            RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1),
+            RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1, axes=HIDDEN_AXES),
         )  # fmt: skip
 
     def start_positions(self, case: Case) -> list[list[int]]:

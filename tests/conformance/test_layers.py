@@ -23,7 +23,9 @@ from layers.contract.checks import PoolCheck
 from layers.contract.config import ConfigError
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
+from layers.declared import declaration
 from layers.registry import LAYERS, validated
+from launcher.store.snapshot_layer import kind_of
 
 from .. import defects
 from ..conftest import compose_config
@@ -138,6 +140,34 @@ def test_rank_slices_follow_the_specs_and_the_stacked_fixture(name):
         for n, x in mine.items():
             want = stacked[n] if not specs[n].shape else stacked[n][r]
             assert torch.equal(bits(x), bits(want)), (r, n)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(LAYERS) if declaration(n) is not None])
+def test_the_declaration_reads_the_case_back_from_the_tensor_shapes(name):
+    """A snapshot of the layer is recognised as it by its tensor names, its group size is the
+    declared key, and each declared model field read from the rank-stacked shapes is the model's."""
+    case, layer, decl = canonical_case(name), LAYERS[name], declaration(name)
+    specs = layer.tensor_specs(case)
+    assert kind_of(set(specs)) == decl and decl.group_key in GROUP_SIZES and hasattr(case, decl.group_key)
+    group = getattr(case, decl.group_key)
+    shapes = {}
+    for n, spec in specs.items():
+        stacked = spec.shape if spec.shape == () else (group, *spec.shape)
+        shapes |= {f"{sub}/{n}": stacked for sub, kinds in (("in", (Kind.INPUT, Kind.INOUT)),
+                                                            ("out", (Kind.INOUT, Kind.OUTPUT))) if spec.kind in kinds}
+    fields: dict[str, int] = {}
+    for dim in decl.dims:
+        fields[dim.field] = dim.value(shapes[next(f for f in dim.files if f in shapes)], group, fields)
+    assert fields == {f: getattr(case.model, f) for f in fields}
+    assert all(f"in/{key}" in shapes and hasattr(case, key) for key in decl.scalars)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(LAYERS) if declaration(n) is None])
+def test_a_layer_without_a_snapshot_declaration_refuses_snapshots(name, tmp_path):
+    """Its snapshots could not be recognised: saving or replaying one is a ConfigError."""
+    for key in ("save_data", "golden_data"):
+        with pytest.raises(ConfigError, match=key):
+            run_spec(compose_config(f"layer={name}", "model=tiny", f"{key}={tmp_path}"), "unused")
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))

@@ -22,12 +22,12 @@ from launcher.report.sweep_summary import table as sweep_table
 from launcher.verify import mapped_pool_ratio_allclose, ratio_reldiff
 from launcher.verify.base import initial_key
 from launcher.verify.where import error_maps, tally
-from layers.contract.checks import PoolCheck, RelDiffCheck
+from layers.contract.checks import HIDDEN_AXES, PoolCheck, RelDiffCheck
 
 from .. import defects
 from ..conftest import REPO
 
-RELDIFF = RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1.0)
+RELDIFF = RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=1.0, axes=HIDDEN_AXES)
 POOL = PoolCheck("kv_cache", mapping="slot_mapping", block_size=4, atol=1e-4, rtol=1 / 128)
 
 

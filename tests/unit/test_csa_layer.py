@@ -16,7 +16,7 @@ from layers.csa import layer as csa
 from layers.components import hc, qkv
 from layers.components.numerics import bf16
 from layers.contract.case import Case
-from layers.contract.checks import PoolCheck, RelDiffCheck
+from layers.contract.checks import HIDDEN_AXES, PoolCheck, RelDiffCheck
 from layers.contract.config import FLASH, SMALL, TINY, ConfigError
 from layers.contract.tensors import Kind
 from layers.csa import fixture as csa_fixture
@@ -175,7 +175,7 @@ def test_checks_follow_the_validation_order():
         "idx_kv_scale": ("idx_slot_mapping", 32, 1e-4, 1 / 128, 0.01),
     }
     # The indexer's top-k flips for a token whose scores moved: its x_out row may gather bad points.
-    assert checks[-1] == RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1, concentrates_in=("token",))
+    assert checks[-1] == RelDiffCheck("x_out", diff_thd=4e-3, pct_thd=0.008, max_diff_hd=1, concentrates_in=("token",), axes=HIDDEN_AXES)
 
 
 # -- the step on one rank ----------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from layers.hca import layer as hca
 from layers.components import attention, metadata, rope
 from layers.contract.case import Case
-from layers.contract.checks import PoolCheck, RelDiffCheck
+from layers.contract.checks import HIDDEN_AXES, PoolCheck, RelDiffCheck
 from layers.contract.config import TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.hca import fixture as hca_fixture
@@ -290,7 +290,7 @@ def test_checks_are_validation_12_2_in_order():
     assert checks[0] == PoolCheck("compress_state", "state_slot_mapping", 8, 1e-3, 1 / 128, 0.005, "compressor state")
     assert checks[1] == PoolCheck("kv_cache", "ori_slot_mapping", 32, 1e-3, 1 / 128, 0.005, "original KV cache")
     assert checks[2] == PoolCheck("cmp_kv", "cmp_slot_mapping", 32, 1e-3, 1 / 128, 0.005, "compressed KV cache")
-    assert checks[3] == RelDiffCheck("x_out", 3e-3, 0.008, 1.0)
+    assert checks[3] == RelDiffCheck("x_out", 3e-3, 0.008, 1.0, axes=HIDDEN_AXES)
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,12 @@ import torch
 from launcher.verify import mapped_pool_ratio_allclose, ratio_reldiff
 from launcher.verify.base import initial_key
 from launcher.verify.integrity import golden_nonfinite, integrity_checks
-from layers.contract.checks import PoolCheck, RelDiffCheck
+from layers.contract.checks import HIDDEN_AXES, PoolCheck, RelDiffCheck
 
 BS, NB, W, T = 4, 8, 16, 12  # block size, blocks, row width, tokens per rank
 KV = PoolCheck("kv_cache", mapping="slots", block_size=BS, atol=1e-4, rtol=1 / 128)
 IDX = PoolCheck("idx_kv_cache", mapping="slots", block_size=BS, atol=1, rtol=0, max_error_ratio=0.01)
-X_OUT = RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=2)
+X_OUT = RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.008, max_diff_hd=2, axes=HIDDEN_AXES)
 
 
 def _pool_case(dtype=torch.bfloat16):
@@ -212,7 +212,7 @@ def test_stale_values_without_the_old_pool_still_finds_zeros():
 # -- concentration --------------------------------------------------------------------------------
 
 P, TOKENS, HC, D = 2, 64, 4, 64
-X_NEXT = RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"))
+X_NEXT = RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"), axes=HIDDEN_AXES)
 
 
 def _x_case(noise_share: float, seed: int = 2):
@@ -272,7 +272,7 @@ def test_concentration_needs_a_floor_a_factor_and_a_minimum_count():
     c = _concentration(actual, golden)
     assert c.passed and c.figures["max_fraction"]["token"] >= 0.3
     # Minimum count: 7 bad points of a short row never fail, however concentrated.
-    short = RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"))
+    short = RelDiffCheck("x_out", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"), axes=HIDDEN_AXES)
     golden = torch.ones(2, 64, 1, 7)
     actual = golden.clone()
     actual[1, 0] = 2.0
@@ -297,7 +297,7 @@ def test_units_the_layer_says_may_concentrate_are_left_alone():
     """CSA's x_out: a top-k flip legitimately changes one token's row; its hc streams and ranks
     are still units."""
     csa_like = RelDiffCheck("x_next", diff_thd=3e-3, pct_thd=0.05, max_diff_hd=float("inf"),
-                            concentrates_in=("token",))
+                            concentrates_in=("token",), axes=HIDDEN_AXES)
     actual, golden = _x_case(0.0)
     actual[1, 5] = golden[1, 5] * 1.02
     assert not _concentration(actual, golden).passed
