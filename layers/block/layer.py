@@ -72,8 +72,25 @@ class BlockLayer(Layer):
     def full_o_weights(self, case):
         raise ConfigError("layer=block draws each TP group's O weights in its attention golden")
 
-    def golden(self, case, tensors):
-        raise NotImplementedError("the block's MoE golden needs every rank's routes: rank_golden")
+    def golden(self, case: BlockCase, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The decoder layer on one process from the world's tensors stacked [ep, ...]: each
+        rank's attention golden (its TP group's case, full O weights), the hand-off, then the
+        MoE golden over the world; outputs stacked so."""
+        attention = half(case.attention)
+        attention_outs, moe_ranks = [], []
+        for r in range(case.ep):
+            mine = {n: (x if x.dim() == 0 else x[r]).clone() for n, x in tensors.items()}
+            attention_case = case.attention_case(case.tp_group_of(r))
+            attention_in, moe_in = self._split(case, mine)
+            attention_in["wo_a"], attention_in["wo_b"] = attention.full_o_weights(attention_case)
+            out = attention.golden(attention_case, attention_in)
+            attention_outs.append(out)
+            moe_ranks.append({**moe_in, **hand_off(None, {ATTENTION_OUTPUT: out[ATTENTION_OUTPUT],
+                                                          MOE_RESIDUAL: mine[MOE_RESIDUAL]})})
+        moe_stacked = {n: torch.stack([m[n] for m in moe_ranks]) for n in moe_ranks[0]}
+        x_next = half("moe").golden(case.moe_case(), moe_stacked)["x_next"]
+        outs = [self._outputs(case, attention_outs[r], x_next[r]) for r in range(case.ep)]
+        return {n: torch.stack([o[n] for o in outs]) for n in outs[0]}
 
     def _split(self, case: BlockCase, tensors: Mapping[str, torch.Tensor]):
         attention, moe = self._halves(case)

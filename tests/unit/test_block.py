@@ -169,6 +169,18 @@ def test_data_parallel_attention_on_two_ranks_is_the_golden_bit_for_bit():
             assert torch.equal(out, golden), name
 
 
+def test_the_one_process_golden_is_every_rank_s_golden_bit_for_bit():
+    """`golden` of the world's stacked tensors equals each rank's `rank_golden` in a launch."""
+    case = _case("swa", tp=2, ep=4, local_t=32)
+    ranks = run_ranks(4, _forward_and_golden, case)
+    stacked = {n: torch.stack([BLOCK.rank_inputs(case, r)[n] for r in range(case.ep)])
+               for n in BLOCK.rank_inputs(case, 0)}
+    want = BLOCK.golden(case, stacked)
+    for r, rank_out in enumerate(ranks):
+        for name, (_, golden) in rank_out.items():
+            assert torch.equal(want[name][r], golden), (r, name)
+
+
 def test_two_tp_groups_of_two_agree_with_the_golden():
     case = _case("swa", tp=2, ep=4, local_t=32)
     for rank_out in run_ranks(4, _forward_and_golden, case):
