@@ -1,4 +1,4 @@
-"""Injected faults end the run in bounded time, leave no process behind and name rank and stage."""
+"""Injected faults end the run in bounded time, leave no process behind and name rank and phase."""
 
 from __future__ import annotations
 
@@ -37,29 +37,29 @@ def _no_orphans(run_dir: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind, stage, message",
+    "kind, phase, message",
     [
-        ("raise", "fixture", "InjectedFault: injected fault: rank 1 raises at the start of stage 'fixture'"),
+        ("raise", "fixture", "InjectedFault: injected fault: rank 1 raises at the start of phase 'fixture'"),
         ("raise", "gather", "InjectedFault"),
         # The agent may see a peer's broken collective before rank 1's exit status: either
-        # way rank 1 and the stage are named.
+        # way rank 1 and the phase are named.
         ("exit", "layer", "in phase 'layer' without"),
         ("hang", "layer", "rank 1 stopped in phase 'layer' without an error report"),
         ("hang", "fixture", "rank 1 stopped in phase 'fixture' without an error report"),
     ],
 )
 @pytest.mark.timeout(120)
-def test_process_fault_is_reported_with_rank_and_stage(tp_run, tmp_path, kind, stage, message):
+def test_process_fault_is_reported_with_rank_and_phase(tp_run, tmp_path, kind, phase, message):
     t0 = time.monotonic()
-    run = tp_run(layer="swa", tp=2, model="tiny", timeout_s=5, overrides=[f"fault.kind={kind}", "fault.rank=1", f"fault.phase={stage}"])
+    run = tp_run(layer="swa", tp=2, model="tiny", timeout_s=5, overrides=[f"fault.kind={kind}", "fault.rank=1", f"fault.phase={phase}"])
     assert time.monotonic() - t0 < 60
     assert run.exit_code == 2, run
     err = run.result["error"]
-    assert (err["rank"], err["phase"]) == (1, stage), run
+    assert (err["rank"], err["phase"]) == (1, phase), run
     assert message in err["message"], run
     assert err["log_dir"] and err["log_dir"].endswith(os.path.join("attempt_0", "1")), run
     assert os.path.isfile(os.path.join(err["log_dir"], "stderr.log"))
-    # The traceback box holds what went wrong, not the rank's INFO records of its stages.
+    # The traceback box holds what went wrong, not the rank's INFO records of its phases.
     assert " INFO phase " not in err["traceback"], err["traceback"]
     _no_orphans(str(tmp_path))
 
@@ -131,13 +131,13 @@ def test_bad_fault_config_is_refused(tp_run, bad, message):
     assert run.exit_code == 2 and message in run.report
 
 
-@pytest.mark.parametrize("stage, rank, extra", [("compare", 0, []), ("compare", 1, []), ("save", 0, ["save_data=SNAP"])])
-def test_faults_in_the_conditional_stages_fire(tp_run, tmp_path, stage, rank, extra):
+@pytest.mark.parametrize("phase, rank, extra", [("compare", 0, []), ("compare", 1, []), ("save", 0, ["save_data=SNAP"])])
+def test_faults_in_the_conditional_phases_fire(tp_run, tmp_path, phase, rank, extra):
     overrides = [o.replace("SNAP", str(tmp_path / "snap")) for o in extra]
     run = tp_run(layer="swa", tp=2, model="tiny",
-                 overrides=[*overrides, "fault.kind=raise", f"fault.rank={rank}", f"fault.phase={stage}"])
+                 overrides=[*overrides, "fault.kind=raise", f"fault.rank={rank}", f"fault.phase={phase}"])
     assert run.exit_code == 2, run
-    assert run.result["error"]["rank"] == rank and run.result["error"]["phase"] == stage
+    assert run.result["error"]["rank"] == rank and run.result["error"]["phase"] == phase
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
