@@ -16,12 +16,14 @@ a sweep starts.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
 import string
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 import hydra
 import hydra_plugins
@@ -41,6 +43,9 @@ from launcher.report import progress
 from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
 from launcher.run import import_gc, tee
 from launcher.store.snapshot_layer import with_snapshot_layer
+
+if TYPE_CHECKING:
+    from launcher.run.rank_group import GroupPool
 
 
 class RunStart(Callback):
@@ -107,17 +112,29 @@ def _create_output_folder(config: DictConfig, key: str) -> None:
     raise SystemExit(EXIT_ERROR)
 
 
-def _hydra_main(statuses: list[int]):
-    """Hydra's application; the status each job run in this process returned is appended to
-    `statuses` (`hydra.main` drops what its task returns)."""
+@dataclasses.dataclass
+class ProcessRuns:
+    """What the runs of this launcher process share, owned by `main`: each job's exit status
+    (`hydra.main` drops what its task returns) and the warm rank groups jobs leave for the next
+    (`launcher.run.rank_group.GroupPool`, made by the first run: its import is torch's)."""
+
+    statuses: list[int] = dataclasses.field(default_factory=list)
+    pool: GroupPool | None = None
+
+
+def _hydra_main(runs: ProcessRuns):
+    """Hydra's application, its runs recorded in `runs`."""
 
     @hydra.main(config_path="pkg://configs", config_name="config", version_base=None)
     def task(cfg: DictConfig) -> int:
         from launcher.job import run_job  # imported by RunStart already: a run started
+        from launcher.run.rank_group import GroupPool
 
         progress.composition_done()
-        statuses.append(run_job(cfg, HydraConfig.get()))
-        return statuses[-1]
+        if runs.pool is None:
+            runs.pool = GroupPool()
+        runs.statuses.append(run_job(cfg, HydraConfig.get(), runs.pool))
+        return runs.statuses[-1]
 
     return task
 
@@ -169,9 +186,9 @@ def main() -> None:
         sys.exit(EXIT_PASS)
     show_our_plugins_to_hydra()
     progress.hold_stderr_while_composing()
-    code, statuses = None, []
+    code, runs = None, ProcessRuns()
     try:
-        _hydra_main(statuses)()
+        _hydra_main(runs)()
     except SystemExit as e:
         code = e.code
     except Exception as e:  # Hydra's own refusal of the command line, e.g. -m with --cfg
@@ -184,7 +201,7 @@ def main() -> None:
         sys.exit(EXIT_ERROR)
     if held:
         sys.stderr.write(held)  # only printed (--help, --cfg): nothing failed
-    sys.exit(final_status(code, statuses[-1] if statuses else None))
+    sys.exit(final_status(code, runs))
 
 
 def show_our_plugins_to_hydra() -> None:
@@ -236,13 +253,12 @@ def _print_sweep_configs(argv: list[str]) -> int:
     return EXIT_ERROR
 
 
-def final_status(code, status: int | None) -> int:
+def final_status(code, runs: ProcessRuns) -> int:
     """The process's exit status: `launcher.job.finish`'s once a run or a sweep started (it
-    imported `launcher.job`; `status`: what the single run's `execute` returned), else Hydra's
-    (None: only printed, --help or --cfg)."""
+    imported `launcher.job`), else Hydra's (None: only printed, --help or --cfg)."""
     job = sys.modules.get("launcher.job")
     if job is not None:
-        return job.finish(code, status)
+        return job.finish(code, runs.statuses[-1] if runs.statuses else None, runs.pool)
     if code:
         return code if isinstance(code, int) else EXIT_ERROR
     return EXIT_PASS

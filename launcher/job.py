@@ -69,16 +69,19 @@ def check_before_folder(config: DictConfig) -> None:
 
 
 def execute(cfg: DictConfig, output_dir: str, job: dict | None = None, overrides: list[str] | None = None,
-            slot: JobSlot | None = None, spec: RunSpec | None = None) -> int:
+            slot: JobSlot | None = None, spec: RunSpec | None = None, prefix: str = "",
+            pool: rank_group.GroupPool | None = None) -> int:
     """Run one case; never raises (an exception of the launcher itself is an ERROR result), so
     that one job cannot take a sweep's other jobs down. `job`: the sweep job's entry
     (`launcher.report.sweep_summary.job_entry`), recorded in result.json; `overrides`: the run's
     override strings (the keys the user gave explicitly); `slot`: the share of the node a job
     running beside others holds (None: the whole node); `spec`: the run's spec where its
-    preflight already ran (`check_before_folder`)."""
+    preflight already ran (`check_before_folder`); `prefix`: a sweep job's place in its sweep
+    ("[3/12] "), before its progress lines; `pool`: the warm rank groups of this process's runs
+    (None: the run's ranks leave with it)."""
     t0 = time.perf_counter()
     try:
-        return _execute(cfg, output_dir, t0, job, overrides, slot, spec)
+        return _execute(cfg, output_dir, t0, job, overrides, slot, spec, prefix, pool)
     except Exception as e:  # anything at all: the job is reported and the sweep goes on
         result = RunResult.launcher_error(config_case(cfg), e, wall_s=time.perf_counter() - t0).to_json()
         written, unwritten = _write(output_dir, result, job)
@@ -101,7 +104,7 @@ def _write(output_dir: str, result: dict, job: dict | None) -> tuple[dict, str |
 
 
 def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, overrides: list[str] | None,
-             slot: JobSlot | None, spec: RunSpec | None) -> int:
+             slot: JobSlot | None, spec: RunSpec | None, prefix: str, pool: rank_group.GroupPool | None) -> int:
     log.info("command line: %s", " ".join(sys.argv[1:]))
     if node_output_dir(output_dir, os.environ) != output_dir:
         # Node k > 0 of a Slurm job: only node 0's result (the compared one) is the sweep job's.
@@ -114,7 +117,7 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
             log.info("refused: %s", message)
             print(f"error: {message}", file=sys.stderr)
             written, unwritten = _write(output_dir, RunResult.not_launched(
-                config_case(cfg), "config-error", message, wall_s=time.perf_counter() - t0, stage="config").to_json(), job)
+                config_case(cfg), "config-error", message, wall_s=time.perf_counter() - t0, phase="config").to_json(), job)
             if job is None:  # a sweep's job: its row in the sweep's table says it; stderr keeps its one error line
                 print(console.where_line(output_dir, written))
             if unwritten:
@@ -133,8 +136,8 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
              spec.slot.describe() if spec.slot else "the whole node", output_dir)
     if spec.bench:
         plots.preload_in_background()
-    with progress.StageWatcher(output_dir, spec.local_ranks, label):
-        outcome = launch(spec)
+    with progress.PhaseWatcher(output_dir, spec.local_ranks, label, prefix=prefix):
+        outcome = launch(spec, pool)
     built = RunResult.launched(spec, machine=devices.machine_entry(spec.backend, spec.local_ranks),
                                rank_result=outcome.result, error=outcome.error, log_dir=outcome.log_dir,
                                wall_s=time.perf_counter() - t0)
@@ -159,13 +162,14 @@ def _execute(cfg: DictConfig, output_dir: str, t0: float, job: dict | None, over
     return status
 
 
-def run_job(cfg: DictConfig, hydra_cfg) -> int:
-    """Hydra's task: the run, or one job of a multirun (`hydra_cfg`: Hydra's runtime config)."""
+def run_job(cfg: DictConfig, hydra_cfg, pool: rank_group.GroupPool) -> int:
+    """Hydra's task: the run, or one job of a multirun (`hydra_cfg`: Hydra's runtime config;
+    `pool`: the warm rank groups of this process's runs)."""
     output_dir = hydra_cfg.runtime.output_dir
     overrides = list(hydra_cfg.overrides.task)
     if hydra_cfg.mode.name != "MULTIRUN":
         spec, CheckedRun.spec = CheckedRun.spec, None
-        return execute(cfg, output_dir, overrides=overrides, spec=spec)
+        return execute(cfg, output_dir, overrides=overrides, spec=spec, pool=pool)
     num = int(hydra_cfg.job.num)
     job = sweep_summary.job_entry(hydra_cfg.sweep.dir, num, overrides)
     # In the process that runs the job's launch (the sweep's launcher, a pool's worker, a
@@ -177,22 +181,23 @@ def run_job(cfg: DictConfig, hydra_cfg) -> int:
         write_result_and_page(output_dir, RunResult.not_launched(config_case(cfg), "skipped", message, wall_s=0.0).to_json(),
                               job)
         return EXIT_ERROR
-    return _execute_sweep_job(cfg, output_dir, job, overrides, hydra_cfg)
+    return _execute_sweep_job(cfg, output_dir, job, overrides, hydra_cfg, pool)
 
 
-def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], hydra_cfg) -> int:
+def _execute_sweep_job(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], hydra_cfg,
+                       pool: rank_group.GroupPool) -> int:
     """A sweep's job; under a launcher that runs the jobs in a pool of worker processes, in the
     worker's job process (`launcher.run.job_process`): its death is its own ERROR, not the pool's."""
     sweep_dir, launcher = str(hydra_cfg.sweep.dir), OmegaConf.to_container(hydra_cfg.launcher)
     if not runs_in_a_pool(launcher):
-        return _execute_in_slot(cfg, output_dir, job, overrides, sweep_dir, launcher)
+        return _execute_in_slot(cfg, output_dir, job, overrides, sweep_dir, launcher, pool)
     t0 = time.perf_counter()
     status, how = job_process.JOB_PROCESS.run(_execute_in_slot, cfg, output_dir, job, overrides, sweep_dir, launcher)
     written = _result_of(output_dir, job)
     if written is None:
         message = (f"the job's process {how} before it wrote its result (a signal, the OOM killer, or an "
                    f"implementation that ended it); its ranks ended with it")
-        failed = RunResult.not_launched(config_case(cfg), "error", message, stage="launcher",
+        failed = RunResult.not_launched(config_case(cfg), "error", message, phase="launcher",
                                         wall_s=time.perf_counter() - t0)
         written = write_result_and_page(output_dir, failed.to_json(), job)
         print(console.render(written))
@@ -212,14 +217,16 @@ def _result_of(output_dir: str, job: dict) -> dict | None:
 
 
 def _execute_in_slot(cfg: DictConfig, output_dir: str, job: dict, overrides: list[str], sweep_dir: str,
-                     launcher: dict) -> int:
+                     launcher: dict, pool: rank_group.GroupPool | None = None) -> int:
     """A sweep's job: in a job slot of its own while the launcher runs several jobs at once on
-    this node (`launcher.config.job_slot`), else with the whole node."""
+    this node (`launcher.config.job_slot`), else with the whole node; `pool`: the warm rank
+    groups of the process that runs it (the launcher's, a pool worker's job process)."""
     cpus = devices.cpu_affinity()
     planned = (sweep_summary.read_record(sweep_dir) or {}).get("jobs")
     planned_n = len(planned) if planned is not None else None
+    prefix = f"[{job['num'] + 1}/{planned_n or '?'}] "
     if cpus is None or slot_count(launcher, planned_n, len(cpus), None) == 1:
-        return execute(cfg, output_dir, job, overrides)
+        return execute(cfg, output_dir, job, overrides, prefix=prefix, pool=pool)
     try:
         device_env, node_devices = devices.node_devices()
     except Exception as e:  # a broken accelerator runtime: this job's ERROR, not a job without a result
@@ -228,30 +235,23 @@ def _execute_in_slot(cfg: DictConfig, output_dir: str, job: dict, overrides: lis
     count = slot_count(launcher, planned_n, len(cpus), len(node_devices) if node_devices is not None else None)
     # Held until the job's result is written; released whatever happens, the job's death included.
     with slots.claim(os.path.abspath(sweep_dir), count, job["num"]) as index:
-        return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env))
+        return execute(cfg, output_dir, job, overrides, job_slot(index, count, cpus, node_devices, device_env),
+                       prefix=prefix, pool=pool)
 
 
-def finish(code, status: int | None) -> int:
-    """The process's exit status once a run or a multirun started: a single run's `status`
-    (what `execute` returned), a multirun's from the files its jobs wrote; the warm ranks a
-    sweep's last jobs left are closed, and no outcome of this run is left for a later one in
-    this process.
+def finish(code, status: int | None, pool: rank_group.GroupPool | None) -> int:
+    """The process's exit status once a run or a multirun started; the warm ranks its last
+    jobs left in `pool` leave.
 
-    `code`: how Hydra's application ended (None: normally; 128 + a signal: interrupted; else
-    Hydra's own error exit). A multirun that never reached its end still gets its summary:
-    interrupted, the jobs it never started are skips, those it stopped errors, and the status
-    is the signal's; stopped by an error (a Hydra launcher that failed), the status is at least
-    an error.
+    `code`: how Hydra's application ended. None: normally, a single run whose `status` is what
+    `execute` returned. Else the status it ended with: a multirun's, from the files its jobs
+    wrote (`SweepSummary.on_multirun_end`, or for one that never reached its end the
+    harness's sweeper, `launcher.report.sweep_summary.unfinished_status`), an interrupted
+    run's 128 + the signal, or Hydra's own error exit.
     """
-    rank_group.POOL.close()
-    unfinished, swept = sweep_summary.SweepSummary.unfinished_sweep, sweep_summary.SweepSummary.exit_status
-    sweep_summary.SweepSummary.exit_status = sweep_summary.SweepSummary.unfinished_sweep = CheckedRun.spec = None
-    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
-    if unfinished is not None:
-        summary = sweep_summary.write_summary(unfinished, interrupted=interrupted)
-        return code if interrupted else max(summary, EXIT_ERROR)
-    if code:
+    if pool is not None:
+        pool.close()
+    CheckedRun.spec = None
+    if code is not None:  # a multirun's (its summary's, `SweepSummary`), an interruption's, or Hydra's error
         return code if isinstance(code, int) else EXIT_ERROR
-    if swept is not None:
-        return swept
     return EXIT_PASS if status is None else status

@@ -60,8 +60,9 @@ def _overrides(key: str, value) -> list[str]:
     return [f"{key}={value}"]
 
 
-def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunResult:
-    """Compose `config.yaml` with `keys` (layer=..., tp=..., impl=<class>) and run it."""
+def run_layer(output_dir: str, *, overrides: list[str] = (), pool=None, **keys) -> TPRunResult:
+    """Compose `config.yaml` with `keys` (layer=..., tp=..., impl=<class>) and run it; `pool`:
+    warm rank groups an earlier run left (`launcher.run.rank_group.GroupPool`; None: new ranks)."""
     import contextlib
     import io
 
@@ -82,7 +83,7 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
         cfg = compose(config_name="config", overrides=args)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = execute(cfg, output_dir, overrides=args)
+        code = execute(cfg, output_dir, overrides=args, pool=pool)
     path = os.path.join(output_dir, "result.json")
     result = json.load(open(path)) if os.path.exists(path) else None
     output = (out.getvalue() + err.getvalue()).strip()
@@ -90,14 +91,25 @@ def run_layer(output_dir: str, *, overrides: list[str] = (), **keys) -> TPRunRes
     return TPRunResult(exit_code=code, result=result, report=report, output_dir=output_dir, output=output)
 
 
+@pytest.fixture(scope="session")
+def warm_rank_groups():
+    """The rank processes the session's runs share: a run of the shape an earlier one had
+    reuses its ranks (as a sweep's jobs do); they leave at the session's end."""
+    from launcher.run.rank_group import GroupPool
+
+    pool = GroupPool()
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def tp_run(request, tmp_path):
+def tp_run(request, tmp_path, warm_rank_groups):
     """Run a TP decode layer on real ranks: `tp_run(layer=LAYER, tp=2, model="tiny", impl=...)`."""
     runs: list[TPRunResult] = []
     request.node._tp_runs = runs  # shown under a failing test by pytest_runtest_makereport
 
     def run(*, overrides: list[str] = (), **keys) -> TPRunResult:
-        result = run_layer(str(tmp_path / f"run{len(runs) + 1}"), overrides=overrides, **keys)
+        result = run_layer(str(tmp_path / f"run{len(runs) + 1}"), overrides=overrides, pool=warm_rank_groups, **keys)
         runs.append(result)
         return result
 

@@ -36,7 +36,7 @@ from launcher.report.console import render, where_line
 from launcher.report.result import EXIT_ERROR, exit_code
 from launcher.report.run_page import write_result_and_page
 from launcher.run import devices
-from launcher.run.launch import RankFailure, failed_stage, is_casualty
+from launcher.run.launch import RankFailure, failed_phase, is_casualty
 from launcher.run.preflight import preflight
 from launcher.run.run_result import RunResult
 from launcher.run.worker import rank_main
@@ -75,11 +75,11 @@ def main(argv: list[str]) -> int:
         spec = preflight(cfg, output_dir, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        write_result_and_page(output_dir, RunResult.not_launched(config_case(cfg), "config-error", str(e), stage="config",
+        write_result_and_page(output_dir, RunResult.not_launched(config_case(cfg), "config-error", str(e), phase="config",
                                                            wall_s=time.perf_counter() - t0).to_json())
         return EXIT_ERROR
     rank = int(os.environ["RANK"])
-    if rank == 0:  # an earlier run's result must not stand for this one (no rank can fail a stage
+    if rank == 0:  # an earlier run's result must not stand for this one (no rank can fail a phase
         # before rank 0 has joined the process group)
         try:
             os.remove(os.path.join(output_dir, "result.json"))
@@ -126,8 +126,8 @@ def _report_failure(spec: RunSpec, rank: int, exc: BaseException, *, wall_s: flo
     """This rank's error as the run's result.json, unless it is a casualty and a rank already wrote one."""
     tb = "".join(traceback.format_exception(exc))
     message = f"{type(exc).__name__}: {exc}"
-    stage = failed_stage(tb)
-    failure = RankFailure(rank=rank, stage=stage[0] if stage else None, message=message, traceback=tb,
+    phase = failed_phase(tb)
+    failure = RankFailure(rank=rank, phase=phase[0] if phase else None, message=message, traceback=tb,
                           exitcode=EXIT_ERROR, log_dir=spec.output_dir)
     if is_casualty(message) and os.path.exists(os.path.join(spec.output_dir, "result.json")):
         return

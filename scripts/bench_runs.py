@@ -41,7 +41,7 @@ class Run:
         """Per stage: first start to last done over all ranks (ranks run a stage concurrently)."""
         spans: dict[str, list[float]] = {}
         for ev in self.events:
-            lo_hi = spans.setdefault(ev["stage"], [math.inf, -math.inf])
+            lo_hi = spans.setdefault(ev["phase"], [math.inf, -math.inf])
             if ev["event"] == "start":
                 lo_hi[0] = min(lo_hi[0], ev["t"])
             elif ev["event"] == "done":

@@ -706,7 +706,7 @@ class ExtraCollectiveOnceRank0MovedOn(TorchTP):
         except OSError:
             return False
         # A line still being written is not an event yet.
-        return any(line.endswith("}") and json.loads(line)["stage"] == "gather" for line in lines)
+        return any(line.endswith("}") and json.loads(line)["phase"] == "gather" for line in lines)
 
     def __call__(self, ctx, tensors):
         out = super().__call__(ctx, tensors)

@@ -20,6 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from launcher.pytest_plugin import run_layer
+from launcher.run.rank_group import GroupPool
+
+# This test process's warm rank groups: a scope run of an earlier case's shape reuses its ranks.
+WARM_RANKS = GroupPool()
 
 
 def _free_port() -> int:
@@ -55,7 +59,7 @@ def run_scope(case, scope: str, impl=None) -> dict:
     if impl is not None:
         keys["impl"] = impl
     with tempfile.TemporaryDirectory() as out_dir:
-        run = run_layer(out_dir, **keys)
+        run = run_layer(out_dir, pool=WARM_RANKS, **keys)
     assert run.result and run.result["status"] == "ok", run
     return {v["tensor"]: v for v in run.result["verdicts"]}
 

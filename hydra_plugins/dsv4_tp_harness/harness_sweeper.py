@@ -25,6 +25,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -165,6 +166,20 @@ class HarnessSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
+        """The jobs; a sweep that does not reach its end (interrupted, a launcher that failed,
+        a batch refused) still gets its summary, and ends the application with its status
+        (`launcher.report.sweep_summary.unfinished_status`): every way out passes here."""
+        assert self.config is not None
+        try:
+            return self._sweep(arguments)
+        except BaseException as e:
+            from launcher.report.sweep_summary import unfinished_status  # only now: the plugin scan stays light
+
+            if not isinstance(e, (SystemExit, KeyboardInterrupt)):
+                print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+            raise SystemExit(unfinished_status(str(self.config.hydra.sweep.dir), e)) from None
+
+    def _sweep(self, arguments: list[str]) -> list[Sequence[JobReturn]]:
         assert self.config is not None and self.launcher is not None and self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         jobs = expand_jobs(self.params, arguments, parser)

@@ -43,22 +43,25 @@ def fresh_dir(base: str) -> str:
 
 
 LOCK = ".launcher.lock"
-_held: dict[str, int] = {}  # folder -> the open lock file holding it, for this process's life
 
 
 def claim(path: str) -> None:
     """Hold `path` (created if need be) for this process; a ConfigError when another live
-    launcher holds it."""
+    launcher holds it. The lock file names the process that holds it (its pid): a second
+    claim by the same process is kept, with nothing to remember in this one."""
     path = os.path.abspath(path)
-    if path in _held:
-        return
     os.makedirs(path, exist_ok=True)
     fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)  # the lock is the first descriptor's (flock's is per open file), held on
+        if holder == str(os.getpid()):
+            return
         raise ConfigError(f"output folder {path} is in use by another launcher, which would write over this "
                           f"one's results or this one over its: give each launcher (each node of a multi-node "
                           f"run) a folder of its own") from None
-    _held[path] = fd
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    # `fd` stays open, never closed: the lock lasts as long as this process.

@@ -4,7 +4,7 @@ Overrides are the command line's `key=value` strings and a sweep job's swept val
 `hydra.overrides.task`). A key is named as it is written, without Hydra's `+`, `++` or `~`
 prefix: `tp`, `model`, `model.hidden_size`, `tolerance.x_out.diff_thd`.
 
-`unknown_top_level` refuses a key the run config does not have before Hydra composes: Hydra
+`renamed_key` refuses a key that was renamed, naming its new name. `unknown_top_level` refuses a key the run config does not have before Hydra composes: Hydra
 itself adds any `+key=value` to the config silently (`+layr=swa` would run swa), and refuses a
 plain `layr=swa` by suggesting that `+`. `foreign_case_key` refuses a case key of another layer
 (`tp` with layer=moe) in the user's words, where the layer's schema would refuse it in Hydra's.
@@ -43,6 +43,17 @@ def unknown_top_level(overrides: Sequence[str], known: Collection[str]) -> str |
     return None
 
 
+def renamed_key(overrides: Sequence[str], renamed: Mapping[str, str]) -> str | None:
+    """Why one of `overrides` sets a key that was renamed (`renamed`: old key -> new key),
+    naming the new key; None if none does."""
+    for text, o in zip(overrides, OverridesParser.create().parse_overrides(list(overrides))):
+        key = o.key_or_group.lstrip("+~")
+        if key in renamed:
+            value = text.split("=", 1)[1] if "=" in text else "..."
+            return f"{text}: {key} is now {renamed[key]}; write {renamed[key]}={value}"
+    return None
+
+
 def _layers_chosen(parsed: list, default_layer: str) -> list[str]:
     """The layers the overrides run: the values of `layer=` (each of a sweep's), else the default."""
     for o in parsed:
@@ -72,4 +83,4 @@ def foreign_case_key(overrides: Sequence[str], layer_keys: Mapping[str, Collecti
     return None
 
 
-__all__ = ["override_keys", "names", "unknown_top_level", "foreign_case_key"]
+__all__ = ["override_keys", "names", "unknown_top_level", "renamed_key", "foreign_case_key"]

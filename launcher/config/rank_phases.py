@@ -2,9 +2,9 @@
 
 A rank's run (`launcher.run.worker`) is fixture -> [golden] -> [save] -> layer -> gather ->
 [bench] -> [compare] -> [bisect]. These names are the keys of result.json's `rank_seconds`, the
-`stage` of a rank's progress events and of a failure report (the key keeps its name for the
-readers of earlier results), the values `fault.stage` accepts, and the cells of the console's
-phases line, in this order.
+`phase` of a rank's progress events and of a failure report (`stage` in a result of
+schema_version 1), the values `fault.phase` accepts, and the cells of the console's phases line,
+in this order.
 
 "Stage" alone means a layer's spec stages (`layers.stages`: hc_pre, rms_norm, ..., hc_post),
 which bisect walks inside the rank phase "bisect".

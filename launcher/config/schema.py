@@ -25,7 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from layers.contract.case import CASE_KEYS
 from layers.contract.config import PRESETS, ModelConfig
 
-from launcher.config.overrides import foreign_case_key, unknown_top_level
+from launcher.config.overrides import foreign_case_key, renamed_key, unknown_top_level
 from launcher.config.resolvers import register_resolvers
 
 _hints = typing.get_type_hints(ModelConfig)
@@ -56,7 +56,7 @@ class BenchSchema:
 class FaultSchema:
     kind: Optional[str] = None  # raise | exit | hang | nan | corrupt (launcher.run.fault_injection)
     rank: int = 0
-    stage: str = "layer"  # fixture | golden | save | layer | gather | bench | compare
+    phase: str = "layer"  # the rank phase: fixture | golden | save | layer | gather | bench | compare
 
 
 @dataclass
@@ -171,10 +171,16 @@ def top_level_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(RunSchema)) | case_keys | groups | {"hydra"}
 
 
+# Keys renamed: old -> new (`fault.stage` named a rank phase, `launcher.config.rank_phases`).
+RENAMED_KEYS = {"fault.stage": "fault.phase"}
+
+
 def refused_overrides(overrides: list[str]) -> str | None:
-    """Why command-line overrides would not compose, in the user's words: a key no config has
-    (with the nearest), or a case key of a layer the run does not run; None: they compose."""
-    return (unknown_top_level(overrides, top_level_names())
+    """Why command-line overrides would not compose, in the user's words: a renamed key (with its
+    new name), a key no config has (with the nearest), or a case key of a layer the run does not
+    run; None: they compose."""
+    return (renamed_key(overrides, RENAMED_KEYS)
+            or unknown_top_level(overrides, top_level_names())
             or foreign_case_key(overrides, layer_keys(), default_layer()))
 
 

@@ -192,10 +192,10 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     golden, bench = _performance(cfg)
     fault = None
     if cfg.fault.kind is not None:
-        fault = Fault(kind=str(cfg.fault.kind), rank=int(cfg.fault.rank), stage=str(cfg.fault.stage))
-        fault.check(world, _absent_stages(cfg, golden, bench))
+        fault = Fault(kind=str(cfg.fault.kind), rank=int(cfg.fault.rank), phase=str(cfg.fault.phase))
+        fault.check(world, _absent_phases(cfg, golden, bench))
     else:
-        check_fault_unset(int(cfg.fault.rank), str(cfg.fault.stage), world)
+        check_fault_unset(int(cfg.fault.rank), str(cfg.fault.phase), world)
     if cfg.threads_per_rank is not None and cfg.threads_per_rank < 1:
         raise ConfigError(f"threads_per_rank={cfg.threads_per_rank} must be >= 1")
     if cfg.recompute_golden and not cfg.golden_data:
@@ -343,7 +343,7 @@ def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str]
         case, read = replayed_case(spec.case, facts, given, _default_local_t)
         spec = dataclasses.replace(spec, case=case, snapshot=facts_entry(facts, read), **_nodes(cfg, case, spec.dp))
         if spec.fault is not None:  # its rank against the snapshot's group, not the config's
-            spec.fault.check(spec.world, _absent_stages(cfg, spec.golden, spec.bench))
+            spec.fault.check(spec.world, _absent_phases(cfg, spec.golden, spec.bench))
     validated(spec.case)  # the one validation of a case: its TP rules, then its layer's
     explicit = override_keys(overrides) if overrides is not None else frozenset()
     return dataclasses.replace(spec, tolerances=read_tolerances(cfg.get("tolerance"), spec.case, explicit))
@@ -369,8 +369,8 @@ def _performance(cfg: DictConfig) -> tuple[bool, Optional[BenchSpec]]:
     return golden, bench
 
 
-def _absent_stages(cfg: DictConfig, golden: bool, bench: Optional[BenchSpec]) -> dict[str, str]:
-    """The rank stages this run will not have, each with the key that would add it."""
+def _absent_phases(cfg: DictConfig, golden: bool, bench: Optional[BenchSpec]) -> dict[str, str]:
+    """The rank phases this run will not have, each with the key that would add it."""
     absent = {}
     if not cfg.save_data:
         absent["save"] = "save_data=DIR"

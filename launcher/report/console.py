@@ -19,7 +19,7 @@ from layers.contract.case import GROUP_KEYS, LIST_KEYS, SCALAR_KEYS, key_set_col
 
 from launcher.config.rank_phases import RANK_PHASES
 from launcher.report.bisect_lines import render as render_bisect
-from launcher.report.result import verdict, verdict_pair
+from launcher.report.result import failed_phase, verdict, verdict_pair
 from launcher.report.verdict import check_names, decision, line as verdict_line
 
 
@@ -142,11 +142,11 @@ def render(result: dict) -> str:
         return "\n".join(lines)
     if result["status"] == "error":
         e = result["error"]
-        stage = f" in stage '{e['stage']}'" if e["stage"] else ""
+        phase = f" in phase '{failed_phase(e)}'" if failed_phase(e) else ""
         if e["rank"] is None:  # no rank ran: the launcher process itself failed
-            lines.append(f"ERROR: the launcher failed{stage}: {e['message']}")
+            lines.append(f"ERROR: the launcher failed{phase}: {e['message']}")
         else:
-            lines.append(f"ERROR: rank {e['rank']} failed{stage} (exit code {e['exitcode']}): {e['message']}")
+            lines.append(f"ERROR: rank {e['rank']} failed{phase} (exit code {e['exitcode']}): {e['message']}")
         if e["traceback"]:
             tb = [ln for ln in e["traceback"].rstrip().splitlines() if ln.strip() and " at t=" not in ln]
             # A stack dump starts with the innermost frame; a Python traceback ends with it.
@@ -164,10 +164,10 @@ def render(result: dict) -> str:
         lines.append(f"VERDICT: {word} ({result['wall_s']:.1f}s)")
         return "\n".join(lines)
     secs = result["rank_seconds"]
-    stage_cells = [f"{s} {max((r or {}).get(s, 0.0) for r in secs):.2f}" for s in RANK_PHASES if any(s in (r or {}) for r in secs)]
+    phase_cells = [f"{p} {max((r or {}).get(p, 0.0) for r in secs):.2f}" for p in RANK_PHASES if any(p in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
     peak = f"; peak RSS {max(rss):.0f} MiB (rank {rss.index(max(rss))})" if rss else ""
-    lines.append("stages (s, slowest rank): " + " | ".join(stage_cells) + peak)
+    lines.append("phases (s, slowest rank): " + " | ".join(phase_cells) + peak)
     if result.get("bench"):
         lines += bench_lines(result["bench"])
     if result.get("unchecked"):

@@ -1,8 +1,8 @@
-"""Progress on long work: sweep jobs done/total and the stages of the run in flight.
+"""Progress on long work: sweep jobs done/total and the rank phases of the run in flight.
 
-Owns the console side only; the events come from elsewhere. Each rank appends its stage
-events (`{rank, stage, event: start|done|failed, t}`, one JSON object a line) to
-`<output_dir>/progress/rank<r>.jsonl` (`launcher.run.worker.progress_path`); `StageWatcher` polls
+Owns the console side only; the events come from elsewhere. Each rank appends its phase
+events (`{rank, phase, event: start|done|failed, t}`, one JSON object a line) to
+`<output_dir>/progress/rank<r>.jsonl` (`launcher.run.worker.progress_path`); `PhaseWatcher` polls
 those files from a thread of the launcher process while the ranks run. The sweep callback
 (`launcher.report.sweep_summary`) reports jobs as they start and end through the same `Display`.
 
@@ -50,7 +50,7 @@ class Display:
         return bool(isatty and isatty())
 
     def line(self, text: str) -> None:
-        """A line that stays (a job started or ended, a stage finished on every rank)."""
+        """A line that stays (a job started or ended, a phase finished on every rank)."""
         with self._lock:
             if self._status_shown:
                 self.stream.write(_CLEAR_LINE)
@@ -92,9 +92,6 @@ class Display:
                 self._status_shown = False
 
 
-DISPLAY = Display()
-
-
 # -- Hydra's composition: its errors become one line ---------------------------------------------
 
 _held_stderr: io.StringIO | None = None  # what Hydra wrote to stderr while composing
@@ -130,7 +127,7 @@ def composition_error() -> str | None:
 
 @dataclass
 class SweepCounter:
-    """Jobs of the multirun in flight (set by the sweep callback, read for the run's label)."""
+    """Jobs of the multirun in flight, as the sweep callback counts them."""
 
     total: int
     done: int = 0
@@ -141,11 +138,8 @@ class SweepCounter:
         return f"[{self.current}/{self.total}] " if self.current is not None else ""
 
 
-SWEEP: SweepCounter | None = None
-
-
 @dataclass
-class _Stage:
+class _Phase:
     started: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
@@ -153,35 +147,36 @@ class _Stage:
     last_t: float | None = None
 
 
-def _stage_key(name: str) -> tuple[int, str]:
-    """Stages in the order a rank runs them; a name not in the list sorts after them."""
+def _phase_key(name: str) -> tuple[int, str]:
+    """Phases in the order a rank runs them; a name not in the list sorts after them."""
     return (RANK_PHASES.index(name) if name in RANK_PHASES else len(RANK_PHASES), name)
 
 
-class StageWatcher:
-    """Follows the ranks' stage events of one run while it runs (a context manager).
+class PhaseWatcher:
+    """Follows the ranks' phase events of one run while it runs (a context manager).
 
-    `expected_ranks` is the run's number of ranks: a stage counts as finished when every rank
+    `expected_ranks` is the run's number of ranks: a phase counts as finished when every rank
     reported it done.
     """
 
-    def __init__(self, output_dir: str, expected_ranks: int, label: str, display: Display = DISPLAY,
-                 poll_s: float = POLL_S):
+    def __init__(self, output_dir: str, expected_ranks: int, label: str, display: Display | None = None,
+                 poll_s: float = POLL_S, prefix: str = ""):
         self.dir = os.path.join(output_dir, "progress")
         self.ranks = expected_ranks
         self.label = label
-        self.display = display
+        self.display = display if display is not None else Display()
+        self.prefix = prefix  # a sweep job's "[3/12] "
         self.poll_s = poll_s
-        self.stages: dict[str, _Stage] = {}
+        self.phases: dict[str, _Phase] = {}
         self._offsets: dict[str, int] = {}
         self._reported: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = time.time()
 
-    def __enter__(self) -> StageWatcher:
+    def __enter__(self) -> PhaseWatcher:
         self._t0 = time.time()
-        self._thread = threading.Thread(target=self._loop, name="stage-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="phase-watcher", daemon=True)
         self._thread.start()
         return self
 
@@ -211,31 +206,28 @@ class StageWatcher:
     def poll(self) -> None:
         """Read new events, report what changed."""
         for ev in self._read_events():
-            st = self.stages.setdefault(ev["stage"], _Stage())
+            st = self.phases.setdefault(ev["phase"], _Phase())
             rank, t = int(ev["rank"]), float(ev["t"])
             {"start": st.started, "done": st.done, "failed": st.failed}[ev["event"]].add(rank)
             st.first_t = t if st.first_t is None else min(st.first_t, t)
             st.last_t = t if st.last_t is None else max(st.last_t, t)
-        for name in sorted(self.stages, key=_stage_key):
-            st = self.stages[name]
+        for name in sorted(self.phases, key=_phase_key):
+            st = self.phases[name]
             if len(st.done) >= self.ranks and (name, "done") not in self._reported:
                 self._reported.add((name, "done"))
                 span = (st.last_t or 0.0) - (st.first_t or 0.0)
-                self.display.line(f"{self._prefix()}{self.label}: {name} done on {len(st.done)}/{self.ranks} "
+                self.display.line(f"{self.prefix}{self.label}: {name} done on {len(st.done)}/{self.ranks} "
                                   f"rank{'s' if self.ranks > 1 else ''} ({span:.2f}s)")
             for rank in sorted(st.failed):
                 if (name, f"failed{rank}") not in self._reported:
                     self._reported.add((name, f"failed{rank}"))
-                    self.display.line(f"{self._prefix()}{self.label}: rank {rank} failed in stage {name}")
+                    self.display.line(f"{self.prefix}{self.label}: rank {rank} failed in phase {name}")
         self.display.status(self.status_text())
-
-    def _prefix(self) -> str:
-        return SWEEP.prefix() if SWEEP is not None else ""
 
     def status_text(self) -> str:
         cells = []
-        for name in sorted(self.stages, key=_stage_key):
-            st = self.stages[name]
+        for name in sorted(self.phases, key=_phase_key):
+            st = self.phases[name]
             mark = " FAILED" if st.failed else ""
             cells.append(f"{name} {len(st.done)}/{self.ranks}{mark}")
-        return f"{self._prefix()}{self.label}  " + "  ".join(cells) + f"  {time.time() - self._t0:.1f}s"
+        return f"{self.prefix}{self.label}  " + "  ".join(cells) + f"  {time.time() - self._t0:.1f}s"

@@ -18,7 +18,7 @@ A regression, which makes the comparison exit 1:
 * a baseline job that passed and matches no candidate job: a case the candidate no longer
   runs is not a case that still passes.
 
-Results are read in this tool's layout only (`schema_version`, `launcher.report.result`): a
+Results are read in this tool's layouts only (`schema_version` 1 and 2, `launcher.report.result`): a
 result.json of another version, or one that lacks what a result holds, is a CompareError
 naming the file, never a comparison of whatever keys happen to be there.
 """
@@ -35,7 +35,7 @@ from typing import Any
 from layers.contract.case import GROUP_KEYS, LIST_KEYS, SCALAR_KEYS
 
 from launcher.report.console import fmt, seed_text, table_lines
-from launcher.report.result import SCHEMA_VERSION, verdict
+from launcher.report.result import READABLE_SCHEMA_VERSIONS, verdict
 from launcher.report.sweep_summary import collect_rows, job_row
 
 # The keys that define a case; `impl`, `backend` and the job number do not.
@@ -99,11 +99,11 @@ def job_of(label: str, result: dict | None, message: str = "") -> Job:
 
 
 def _check_layout(path: str, result) -> None:
-    """Refuse a result that is not of this tool's schema_version."""
-    if not isinstance(result, dict) or result.get("schema_version") != SCHEMA_VERSION:
+    """Refuse a result that is not of a schema_version this tool reads."""
+    if not isinstance(result, dict) or result.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         written = result.get("schema_version") if isinstance(result, dict) else None
-        raise CompareError(f"{path}: schema_version {written}, this tool reads schema_version {SCHEMA_VERSION} "
-                           f"only (compare it with the version that wrote it)")
+        raise CompareError(f"{path}: schema_version {written}, this tool reads schema_version "
+                           f"{' and '.join(map(str, READABLE_SCHEMA_VERSIONS))} only (compare it with the version that wrote it)")
 
 
 def _readable_job(path: str, label: str, result: dict | None, message: str = "") -> Job:
@@ -130,7 +130,7 @@ def load(path: str) -> list[Job]:
         rows = collect_rows(path, check=_check_layout)
     except (KeyError, TypeError, AttributeError) as e:  # a job's result that lacks what a result holds
         raise CompareError(f"{path}: a job's result.json is not of this tool's layout (schema_version "
-                           f"{SCHEMA_VERSION}; {type(e).__name__}: {e})") from e
+                           f"{' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}; {type(e).__name__}: {e})") from e
     jobs = []
     for row in rows:
         folder = row["output_dir"]

@@ -8,7 +8,7 @@ what is here reads its JSON. Rendering (`launcher.report.console`) and the sweep
 
 A run that never reached the ranks still leaves a result, so that every job of a sweep has
 one: status "config-error" (refused by the preflight), "skipped" (a sweep with fail_fast after
-a failed job) or "error" with stage "launcher" (the launcher process itself raised).
+a failed job) or "error" with phase "launcher" (the launcher process itself raised).
 
 Where the errors are: a failing verdict may carry `where`, the grids of `launcher.verify.where`
 (bad points per rank x token block / hc copy / physical block); every verdict carries `tally`,
@@ -61,7 +61,15 @@ def exit_code(result: dict) -> int:
 
 
 # The layout of result.json and summary.json: raised when a key changes meaning or goes away.
-SCHEMA_VERSION = 1
+# 2: an error entry names the rank phase it failed in as `phase` (1: `stage`).
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)  # what the readers (compare, a sweep's summary) take
+
+
+def failed_phase(error: dict) -> str | None:
+    """The phase an error entry says the run failed in (a rank phase, or "config", "launcher",
+    "rendezvous", "interrupted"): `phase`, or `stage` in a result of schema_version 1."""
+    return error.get("phase", error.get("stage"))
 
 
 def provenance() -> dict:

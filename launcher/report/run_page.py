@@ -4,7 +4,7 @@ Built from the result dict alone (`launcher.report.result`) plus what lies in th
 folder (its rank logs, the PNGs of `report.plots=true`, the profiler traces): the case and the
 verdict; every compared tensor with its comparator, verdict, figures and per-rank rows (a table
 per TP or EP group where dp > 1); for a failing tensor the comparator's account and its error grids
-(`verdict["where"]`) as heat maps; the per-rank stage times as a chart; the bisect table; the
+(`verdict["where"]`) as heat maps; the per-rank phase times as a chart; the bisect table; the
 benchmark's figures, a histogram of its rounds and each stage's share (`result["bench"]`);
 links to each rank's logs. An error, a refused config, a skipped job and a performance-only
 run (UNCHECKED) get a page too, saying what happened and where the logs are.
@@ -39,7 +39,7 @@ from launcher.report.page import (
     table,
     write,
 )
-from launcher.report.result import verdict, verdict_pair, write_result
+from launcher.report.result import failed_phase, verdict, verdict_pair, write_result
 from launcher.report.verdict import check_names, compared, decision, line as verdict_line
 
 PAGE = "report.html"
@@ -87,7 +87,7 @@ def render(result: dict, output_dir: str | None = None) -> str:
         for group in result.get("groups") or [None]:
             body += _group(result, group, output_dir)
     if result.get("rank_seconds"):
-        body += _stage_times(result)
+        body += _phase_times(result)
     if result.get("bisect"):
         body += _bisect(result["bisect"])
     if result.get("bench"):
@@ -136,11 +136,11 @@ def _error(result: dict) -> Raw:
     if status == "config-error":
         return Raw(f'<div class="error-box" id="error"><b>refused before any rank started</b>: '
                    f'{esc(e.get("message"))}</div>')
-    stage = f" in stage '{e['stage']}'" if e.get("stage") else ""
+    phase = f" in phase '{failed_phase(e)}'" if failed_phase(e) else ""
     if e.get("rank") is None:
-        head = f"the launcher failed{stage}"
+        head = f"the launcher failed{phase}"
     else:
-        head = f"rank {e['rank']} failed{stage} (exit code {e.get('exitcode')})"
+        head = f"rank {e['rank']} failed{phase} (exit code {e.get('exitcode')})"
     parts = [f'<div class="error-box" id="error"><b>ERROR</b>: {esc(head)}: {esc(e.get("message"))}']
     if e.get("other_ranks"):
         parts.append(f"<br>ranks also stopped: {esc(', '.join(str(r) for r in e['other_ranks']))}")
@@ -284,23 +284,23 @@ def _integrity(entry: dict | None, heading: str, tag: str) -> list[str]:
 # -- where the time goes -----------------------------------------------------------------------
 
 
-def _stage_times(result: dict) -> list[str]:
+def _phase_times(result: dict) -> list[str]:
     secs = result["rank_seconds"]
-    stages = [s for s in RANK_PHASES if any(s in (r or {}) for r in secs)]
+    phases = [p for p in RANK_PHASES if any(p in (r or {}) for r in secs)]
     rss = result.get("rank_peak_rss_mib") or []
     cpu = result.get("rank_cpu_seconds") or []  # absent from a result.json written before it was
     rows = []
     for rank, r in enumerate(secs):
         r = r or {}
-        rows.append([rank, *(fmt(r[s]) if s in r else "-" for s in stages), f"{sum(r.values()):.3g}",
+        rows.append([rank, *(fmt(r[p]) if p in r else "-" for p in phases), f"{sum(r.values()):.3g}",
                      f"{sum(cpu[rank].values()):.3g}" if rank < len(cpu) and cpu[rank] else "-",
                      fmt(rss[rank]) if rank < len(rss) else "-"])
-    head = ["rank", *stages, "total", "CPU s", "peak RSS MiB"]
-    return ["<h2>stage times per rank</h2>",
-            svg_figure(lambda: svg.stage_times(secs), "stage times per rank",
-                   "seconds each rank spent in each of its stages; CPU s: the CPU time of the rank's "
-                   "process (all its threads) over those stages"),
-            table(head, rows, numeric=range(1, len(head)), attrs='id="stage-times"')]
+    head = ["rank", *phases, "total", "CPU s", "peak RSS MiB"]
+    return ["<h2>phase times per rank</h2>",
+            svg_figure(lambda: svg.phase_times(secs), "phase times per rank",
+                   "seconds each rank spent in each of its phases; CPU s: the CPU time of the rank's "
+                   "process (all its threads) over those phases"),
+            table(head, rows, numeric=range(1, len(head)), attrs='id="phase-times"')]
 
 
 def _bisect(report: dict) -> list[str]:

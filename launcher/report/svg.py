@@ -1,4 +1,4 @@
-"""The figures every page draws, written here as SVG: each rank's stage times (a run's page)
+"""The figures every page draws, written here as SVG: each rank's phase times (a run's page)
 and a sweep's jobs x tensors map (the sweep's page).
 
 They are on every page, a passing run's included, so they must cost nothing: written as text
@@ -22,7 +22,7 @@ INK = "#1f2328"
 GRID = "#dddddd"
 EMPTY = "#e6e6e6"  # a tensor a job did not compare (or a job that compared nothing: an error)
 BITWISE = "#d9f0d3"  # a tensor that was bitwise equal to the reference
-STAGE_COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#9d755d")
+PHASE_COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#9d755d")
 DIFF_COLOURS = ("#fff7bc", "#fec44f", "#d95f0e", "#7f0000")  # small to large max |diff|
 
 
@@ -79,42 +79,42 @@ def _seconds(value: float) -> str:
     return f"{value:.3g} s"
 
 
-def stage_times(rank_seconds: Sequence[dict | None]) -> str:
-    """Each rank's stage times as one horizontal bar of stacked stages (rank 0 on top), the
-    stages in the order a rank runs them, a legend beside the axis."""
-    stages = [s for s in RANK_PHASES if any(s in (r or {}) for r in rank_seconds)]
+def phase_times(rank_seconds: Sequence[dict | None]) -> str:
+    """Each rank's phase times as one horizontal bar of stacked phases (rank 0 on top), the
+    phases in the order a rank runs them, a legend beside the axis."""
+    phases = [s for s in RANK_PHASES if any(s in (r or {}) for r in rank_seconds)]
     ranks = len(rank_seconds)
-    totals = [sum((r or {}).get(s, 0.0) for s in stages) for r in rank_seconds]
+    totals = [sum((r or {}).get(s, 0.0) for s in phases) for r in rank_seconds]
     ticks = linear_ticks(max(totals, default=0.0))
     band = max(6.0, min(24.0, 900.0 / max(ranks, 1)))
-    legend = 28 + max((text_width(s, 12) for s in stages), default=0.0)
+    legend = 28 + max((text_width(s, 12) for s in phases), default=0.0)
     left, top, bottom, width = 56.0, 34.0, 48.0, 900.0
     plot_w = width - left - legend - 24
     plot_h = band * ranks
     scale = plot_w / ticks[-1]
-    parts = [text(left + plot_w / 2, 20, "stage times per rank", 13, "middle")]
+    parts = [text(left + plot_w / 2, 20, "phase times per rank", 13, "middle")]
     for t in ticks:
         x = left + t * scale
         parts += [line(x, top, x, top + plot_h, GRID), text(x, top + plot_h + 16, f"{t:g}", 11, "middle")]
     for rank, seconds in enumerate(rank_seconds):
         x, y = left, top + rank * band + 0.15 * band
-        for i, stage in enumerate(stages):
-            value = (seconds or {}).get(stage, 0.0)
+        for i, phase in enumerate(phases):
+            value = (seconds or {}).get(phase, 0.0)
             w = value * scale
-            if stage in (seconds or {}):
-                parts.append(rect(x, y, w, 0.7 * band, STAGE_COLOURS[i % len(STAGE_COLOURS)],
-                                  f"rank {rank}: {stage} {_seconds(value)}", data_rank=rank, data_stage=stage))
+            if phase in (seconds or {}):
+                parts.append(rect(x, y, w, 0.7 * band, PHASE_COLOURS[i % len(PHASE_COLOURS)],
+                                  f"rank {rank}: {phase} {_seconds(value)}", data_rank=rank, data_phase=phase))
             x += w
     for rank in tick_positions(ranks, 32):
         parts.append(text(left - 6, top + (rank + 0.5) * band + 4, str(rank), 11, "end"))
     parts += [line(left, top, left, top + plot_h, INK), line(left, top + plot_h, left + plot_w, top + plot_h, INK),
-              text(left + plot_w / 2, top + plot_h + 38, "seconds (stages of one rank, end to end)", 12, "middle"),
+              text(left + plot_w / 2, top + plot_h + 38, "seconds (phases of one rank, end to end)", 12, "middle"),
               text(14, top + plot_h / 2, "rank", 12, "middle", transform=f"rotate(-90 14 {top + plot_h / 2:.2f})")]
     lx = left + plot_w + 14
-    for i, stage in enumerate(stages):
+    for i, phase in enumerate(phases):
         y = top + i * 18
-        parts += [rect(lx, y, 12, 12, STAGE_COLOURS[i % len(STAGE_COLOURS)]), text(lx + 18, y + 10.5, stage, 12)]
-    height = top + max(plot_h, 18 * len(stages)) + bottom
+        parts += [rect(lx, y, 12, 12, PHASE_COLOURS[i % len(PHASE_COLOURS)]), text(lx + 18, y + 10.5, phase, 12)]
+    height = top + max(plot_h, 18 * len(phases)) + bottom
     return document(width, height, parts)
 
 

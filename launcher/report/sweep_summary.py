@@ -27,11 +27,12 @@ import contextlib
 import json
 import os
 import re
+import signal
 import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
@@ -53,6 +54,7 @@ from launcher.report.result import (
     EXIT_FAIL,
     EXIT_PASS,
     check_name,
+    failed_phase,
     integrity_failures,
     integrity_verdict,
     provenance,
@@ -126,10 +128,11 @@ def job_row(num: int, overrides: list[str], output_dir: str, result: dict | None
         row["bench_median_s"] = result["bench"]["median_s"]
     if result["status"] != "ok":
         e = result["error"]
-        # Named once: a message that already says which rank or stage is kept as it is.
+        # Named once: a message that already says which rank or phase is kept as it is.
         where = f"rank {e['rank']} " if e.get("rank") is not None and f"rank {e['rank']}" not in e["message"] else ""
-        stage = f"in stage '{e['stage']}': " if e.get("stage") and e["stage"] not in e["message"] else ""
-        row["message"] = f"{where}{stage}{e['message']}"
+        phase = failed_phase(e)
+        phase = f"in phase '{phase}': " if phase and phase not in e["message"] else ""
+        row["message"] = f"{where}{phase}{e['message']}"
         row["traceback"] = e.get("traceback", "")
     else:
         messages = [f"{v['tensor']} FAIL ({comparator_text(v)})" for v in failed]
@@ -389,13 +392,20 @@ def _write_json(path: str, data) -> None:
 
 class SweepSummary(Callback):
     """Progress lines per job and, at the end of a multirun, summary.json, junit.xml and a table,
-    all built from the files the jobs wrote. For `launcher.job.finish`: `exit_status`, the
-    outcome of the last multirun of this process, and `unfinished_sweep`, the folder
-    of a multirun that started but never reached its end (interrupted, or its Hydra launcher
-    failed), whose summary main still writes."""
+    all built from the files the jobs wrote. The multirun's exit status ends Hydra's application
+    (`SystemExit` from `on_multirun_end`, the last of the end callbacks: Hydra drops what a
+    sweep returns); a multirun that never reached its end gets its summary from the harness's
+    sweeper (`hydra_plugins.dsv4_tp_harness.harness_sweeper`), through which it ended."""
 
-    exit_status: ClassVar[int | None] = None
-    unfinished_sweep: ClassVar[str | None] = None
+    def __init__(self) -> None:
+        # The multirun in flight in this process: its progress lines and its count of jobs.
+        self.display: progress.Display | None = None
+        self.counter: progress.SweepCounter | None = None
+
+    def __getstate__(self) -> dict:
+        # A copy in a pool's worker (joblib and submitit pickle the callbacks) counts no jobs:
+        # its lines would count the worker's jobs, not the sweep's (and a display holds a lock).
+        return {"display": None, "counter": None}
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         progress.composition_done()
@@ -404,21 +414,21 @@ class SweepSummary(Callback):
         progress.composition_done()
         jobs = planned_jobs(config)
         start_record(str(config.hydra.sweep.dir), jobs)
-        SweepSummary.unfinished_sweep = str(config.hydra.sweep.dir)
-        progress.SWEEP = progress.SweepCounter(total=len(jobs) if jobs is not None else None)
+        self.display = progress.Display()
+        self.counter = progress.SweepCounter(total=len(jobs) if jobs is not None else None)
 
     # Job callbacks run in the process that runs the job: this one (the harness's launcher)
-    # or another (joblib, submitit): there they print to that job's own output.
+    # or another (joblib, submitit), whose copy of this callback counts nothing.
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep = progress.SWEEP
+        sweep = self.counter
         if sweep is None:
             return
         sweep.current = int(config.hydra.job.num) + 1
         overrides = " ".join(o for o in config.hydra.overrides.task if not o.startswith("hydra."))
-        progress.DISPLAY.line(f"{sweep.prefix()}start {overrides}")
+        self.display.line(f"{sweep.prefix()}start {overrides}")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        sweep = progress.SWEEP
+        sweep = self.counter
         if sweep is None:
             return
         output_dir = node_output_dir(str(config.hydra.runtime.output_dir), os.environ)
@@ -431,17 +441,28 @@ class SweepSummary(Callback):
         sweep.done += 1
         sweep.failed += row["verdict"] != "PASS"
         what = f" {row['message']}" if row.get("message") else ""  # a loosened PASS says so too
-        progress.DISPLAY.line(f"{sweep.prefix()}{row['verdict']}{what} ({fmt(row.get('wall_s'))}s); "
-                              f"{sweep.done}/{sweep.total or '?'} done, {sweep.failed} not passed")
+        self.display.line(f"{sweep.prefix()}{row['verdict']}{what} ({fmt(row.get('wall_s'))}s); "
+                          f"{sweep.done}/{sweep.total or '?'} done, {sweep.failed} not passed")
         sweep.current = None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        SweepSummary.exit_status = write_summary(str(config.hydra.sweep.dir))
-        SweepSummary.unfinished_sweep = None
-        progress.SWEEP = None
+        status = write_summary(str(config.hydra.sweep.dir))
+        self.counter = None
         with contextlib.suppress(ConfigError, OmegaConfBaseException):  # a cap every job refused already
             from launcher.config.spec import golden_cache_of  # imports torch: a sweep's end, never compare's
 
             cache_usage = cache_dir.usage_line(*golden_cache_of(config))  # once a sweep, not once a job
             if cache_usage:
                 print(cache_usage)
+        raise SystemExit(status)
+
+
+def unfinished_status(sweep_dir: str, stopped_by: BaseException) -> int:
+    """The summary of a multirun that never reached its end, `stopped_by` what ended it, and
+    the process's exit status: interrupted (SIGINT, SIGTERM: the signal's 128 + N), the jobs it
+    never started are skips and those it stopped errors; stopped by an error (a Hydra launcher
+    that failed, a refused batch), every job without a result is an error, and so is the status."""
+    code = 128 + signal.SIGINT if isinstance(stopped_by, KeyboardInterrupt) else getattr(stopped_by, "code", None)
+    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    summary = write_summary(sweep_dir, interrupted=interrupted)
+    return code if interrupted else max(summary, EXIT_ERROR)

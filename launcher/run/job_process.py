@@ -111,7 +111,9 @@ def _job_logging() -> tuple[dict, Any]:
 
 def _serve(conn, parent: int) -> None:
     """The job process's life: jobs from `conn` until the worker is gone, each with the logging
-    and working folder the worker set up for it; then its warm ranks leave and it ends."""
+    and working folder the worker set up for it and the warm ranks of its earlier jobs (`pool`);
+    then they leave and it ends."""
+    pool = rank_group.GroupPool()
     try:
         lifeline.die_with_parent(parent)
         while True:
@@ -122,7 +124,7 @@ def _serve(conn, parent: int) -> None:
             configure_log(OmegaConf.create(logging), verbose)
             os.chdir(cwd)
             try:
-                status = job(*args)
+                status = job(*args, pool=pool)
             except SystemExit as e:  # an interrupted job: 128 + the signal
                 status = e.code if isinstance(e.code, int) else _CRASHED
             except BaseException:
@@ -133,7 +135,7 @@ def _serve(conn, parent: int) -> None:
             conn.send(status)
     finally:
         try:
-            rank_group.POOL.close()  # the warm ranks the last jobs left
+            pool.close()  # the warm ranks the last jobs left
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -151,7 +153,7 @@ def _interrupt(signum, frame):
 class PooledSweep(Callback):
     """In the launcher of a sweep whose jobs run in a pool of workers: names the process its
     workers die with (each from its start), and makes SIGTERM and SIGINT end the sweep as an
-    interruption (exit status 128 + the signal, with its summary: `launcher.cli.final_status`)
+    interruption (exit status 128 + the signal, with its summary: the harness sweeper's)
     rather than end the process where it stands (SIGTERM) or with a traceback (SIGINT)."""
 
     def __init__(self) -> None:

@@ -5,7 +5,7 @@ keep them warm for a sweep's next job); across nodes torch's elastic agent does,
 `torch.distributed.run` would: RunSpec -> LaunchConfig -> elastic_launch(rank_main).
 Each rank logs to `<output_dir>/logs/<run>/attempt_0/<rank>/{stdout,stderr}.log`; rank 0 is also
 teed to the console. A failing rank becomes a `RankFailure` naming the root-cause rank, the
-stage it failed in, its message, its traceback and its log folder.
+phase it failed in, its message, its traceback and its log folder.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from launcher.run.worker import progress_path, rank_main
 
 log = logging.getLogger("launcher.run.launch")
 
-_STAGE_NOTE = re.compile(r"rank (\d+) failed in stage '(\w+)' at t=([0-9.]+)")
+_PHASE_NOTE = re.compile(r"rank (\d+) failed in phase '(\w+)' at t=([0-9.]+)")
 # A rank whose collective broke because a peer died is a casualty, not the root cause: gloo's
 # and NCCL's wording, and HCCL's ("... times out", its timeout error code and the CANN error
 # codes of a notify wait or socket that timed out).
@@ -49,9 +49,9 @@ _CASUALTY = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
                        re.IGNORECASE)
 
 
-def failed_stage(traceback_text: str) -> tuple[str, float] | None:
-    """The stage a rank's exception left it in, and when (the note `RankPhaseTimer` adds)."""
-    m = _STAGE_NOTE.search(traceback_text)
+def failed_phase(traceback_text: str) -> tuple[str, float] | None:
+    """The phase a rank's exception left it in, and when (the note `RankPhaseTimer` adds)."""
+    m = _PHASE_NOTE.search(traceback_text)
     return (m.group(2), float(m.group(3))) if m else None
 
 
@@ -63,7 +63,7 @@ def is_casualty(message: str) -> bool:
 @dataclass
 class RankFailure:
     rank: int | None  # None: no rank is to blame (the launcher was interrupted)
-    stage: str | None
+    phase: str | None
     message: str
     traceback: str
     exitcode: int
@@ -133,8 +133,8 @@ def _stderr_tail(log_dir: str | None, lines: int = 30) -> str:
     marker = text.rfind("Timeout (")  # faulthandler.dump_traceback_later's header
     if marker >= 0:
         return DEADLINE_NOTE + "\n" + "\n".join(text[marker:].splitlines()[:lines])
-    # The rank's INFO records (its stages starting and ending) are no traceback: the failure's
-    # stage names where it stopped, the log file holds them.
+    # The rank's INFO records (its phases starting and ending) are no traceback: the failure's
+    # phase names where it stopped, the log file holds them.
     return "\n".join([ln for ln in text.splitlines() if not tee.quiet_record(ln)][-lines:])
 
 
@@ -152,13 +152,13 @@ def _describe(rank: int, f, log_root: str, run_id: str, silent: dict, killed: di
     if isinstance(msg, dict):
         tb = msg.get("extraInfo", {}).get("py_callstack", "")
         msg = msg.get("message", "<no message>")
-        stage, t = failed_stage(tb) or (None, float(f.timestamp))
+        phase, t = failed_phase(tb) or (None, float(f.timestamp))
         kind = CASUALTY if is_casualty(str(msg)) else OWN
     else:
         # No Python error report: the process exited on its own (os._exit, a deadline's stack
-        # dump) or was killed; its progress events say in which stage, its stderr says the rest.
-        stage, t = silent.get(rank, (None, float(f.timestamp)))
-        where = f" in stage '{stage}'" if stage else ""
+        # dump) or was killed; its progress events say in which phase, its stderr says the rest.
+        phase, t = silent.get(rank, (None, float(f.timestamp)))
+        where = f" in phase '{phase}'" if phase else ""
         tb = _stderr_tail(log_dir)
         if rank in killed:
             msg, kind = killed[rank], KILLED_BY_WATCHDOG
@@ -166,14 +166,14 @@ def _describe(rank: int, f, log_root: str, run_id: str, silent: dict, killed: di
             why = "it outlived its deadline" if tb.startswith(DEADLINE_NOTE) else "os._exit, a crash or a signal"
             msg = f"rank {rank} exited with status {f.exitcode}{where} without a Python error report ({why})"
             kind = CASUALTY if f.exitcode in (-15, -9) and rank not in silent else OWN  # stopped by the agent
-    failure = RankFailure(rank=rank, stage=stage, message=str(msg), traceback=tb, exitcode=f.exitcode, log_dir=log_dir)
-    # Root cause first: by kind; among casualties, the one left behind in the earliest stage
+    failure = RankFailure(rank=rank, phase=phase, message=str(msg), traceback=tb, exitcode=f.exitcode, log_dir=log_dir)
+    # Root cause first: by kind; among casualties, the one left behind in the earliest phase
     # (its peers had moved on); then the earliest (sub-second) failure time.
-    return (kind, _stage_order(stage) if kind == CASUALTY else 0, t, rank), failure
+    return (kind, _phase_order(phase) if kind == CASUALTY else 0, t, rank), failure
 
 
-def _stage_order(stage: str | None) -> int:
-    return RANK_PHASES.index(stage) if stage in RANK_PHASES else len(RANK_PHASES)
+def _phase_order(phase: str | None) -> int:
+    return RANK_PHASES.index(phase) if phase in RANK_PHASES else len(RANK_PHASES)
 
 
 def _recorded_failures(reported: list[ProcessFailure], log_root: str, run_id: str, nproc: int, rank_base: int,
@@ -206,9 +206,9 @@ def _read_error_file(local_rank: int, error_file: str, tries: int = 20) -> Proce
     return None
 
 
-def _unfinished_stages(output_dir: str, ranks) -> dict[int, tuple[str, float]]:
-    """Ranks whose last progress event is the start of a stage: they hung or died in it."""
-    open_stage = {}
+def _unfinished_phases(output_dir: str, ranks) -> dict[int, tuple[str, float]]:
+    """Ranks whose last progress event is the start of a phase: they hung or died in it."""
+    open_phase = {}
     for rank in ranks:
         try:
             with open(progress_path(output_dir, rank)) as f:
@@ -216,8 +216,8 @@ def _unfinished_stages(output_dir: str, ranks) -> dict[int, tuple[str, float]]:
         except (OSError, ValueError):
             continue
         if events and events[-1]["event"] == "start":
-            open_stage[rank] = (events[-1]["stage"], events[-1]["t"])
-    return open_stage
+            open_phase[rank] = (events[-1]["phase"], events[-1]["t"])
+    return open_phase
 
 
 def _failure(reported: list[ProcessFailure], spec: RunSpec, log_root: str, run_id: str, rank_base: int = 0,
@@ -227,38 +227,38 @@ def _failure(reported: list[ProcessFailure], spec: RunSpec, log_root: str, run_i
     nproc = spec.local_ranks
     killed = killed or {}
     failures = _recorded_failures(reported, log_root, run_id, nproc, rank_base, killed)
-    silent = _unfinished_stages(spec.output_dir, range(rank_base, rank_base + nproc))
+    silent = _unfinished_phases(spec.output_dir, range(rank_base, rank_base + nproc))
     ranked = sorted(_describe(r, f, log_root, run_id, silent, killed) for r, f in failures.items())
     casualties_only = all(key[0] == CASUALTY for key, _ in ranked)
     if casualties_only and silent:
-        # Every error report blames a peer: the root cause is a rank that stopped in a stage
+        # Every error report blames a peer: the root cause is a rank that stopped in a phase
         # without one (it hung, or exited without a Python error).
         rank = min(silent, key=lambda r: (silent[r][1], r))
-        stage = silent[rank][0]
+        phase = silent[rank][0]
         log_dir = _rank_log_dir(log_root, run_id, rank - rank_base)
         root = RankFailure(
-            rank=rank, stage=stage, exitcode=failures[rank].exitcode if rank in failures else -1,
-            message=f"rank {rank} stopped in stage '{stage}' without an error report (it hung, exited or was killed); its peers lost it",
+            rank=rank, phase=phase, exitcode=failures[rank].exitcode if rank in failures else -1,
+            message=f"rank {rank} stopped in phase '{phase}' without an error report (it hung, exited or was killed); its peers lost it",
             traceback=_stderr_tail(log_dir), log_dir=log_dir,
         )
         root.other_ranks = sorted(f.rank for _, f in ranked if f.rank != rank)
         return root
     root = ranked[0][1]
     root.other_ranks = sorted(f.rank for _, f in ranked[1:])
-    ahead = [f for _, f in ranked[1:] if _stage_order(f.stage) > _stage_order(root.stage)]
-    if casualties_only and root.stage and ahead:
-        # Every rank timed out, this one in an earlier stage than its peers: it waited in a
+    ahead = [f for _, f in ranked[1:] if _phase_order(f.phase) > _phase_order(root.phase)]
+    if casualties_only and root.phase and ahead:
+        # Every rank timed out, this one in an earlier phase than its peers: it waited in a
         # collective they never entered (an extra one of its own), or they skipped one.
-        stages = sorted({f.stage for f in ahead if f.stage}, key=_stage_order)
-        root.message = (f"rank {root.rank} was left behind in stage '{root.stage}' while ranks "
-                        f"{sorted(f.rank for f in ahead)} had moved on to {', '.join(repr(s) for s in stages) or 'the end'}: "
+        phases = sorted({f.phase for f in ahead if f.phase}, key=_phase_order)
+        root.message = (f"rank {root.rank} was left behind in phase '{root.phase}' while ranks "
+                        f"{sorted(f.rank for f in ahead)} had moved on to {', '.join(repr(s) for s in phases) or 'the end'}: "
                         f"it entered a collective they never entered (or they skipped one); it saw: {root.message}")
         return root
     if casualties_only and spec.nnodes > 1:
         # This node's ranks only lost a peer: the cause is on another node.
         per = spec.local_ranks
         others = ", ".join(f"node {n} (ranks {n * per}-{n * per + per - 1})" for n in range(spec.nnodes) if n != spec.node_rank)
-        root.message = (f"a rank on another node failed or stopped during stage '{root.stage}': {others}; "
+        root.message = (f"a rank on another node failed or stopped during phase '{root.phase}': {others}; "
                         f"see that node's report. This node's ranks saw: {root.message}")
     return root
 
@@ -278,7 +278,7 @@ def _private_tempdir():
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def launch(spec: RunSpec) -> LaunchOutcome:
+def launch(spec: RunSpec, pool: rank_group.GroupPool | None = None) -> LaunchOutcome:
     log_root = os.path.join(spec.output_dir, "logs")
     os.makedirs(log_root, exist_ok=True)
     run_id = run_id_of(spec)
@@ -288,15 +288,16 @@ def launch(spec: RunSpec) -> LaunchOutcome:
         forkserver.use_standard_start_method(spec.start_method)
         forkserver.set_cpu_env()  # inherited by every rank
     if spec.nnodes == 1:
-        return _launch_here(spec, log_root, run_id)
+        return _launch_here(spec, log_root, run_id, pool)
     return _launch_elastic(spec, log_root, run_id)
 
 
-def _launch_here(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
+def _launch_here(spec: RunSpec, log_root: str, run_id: str, pool: rank_group.GroupPool | None) -> LaunchOutcome:
     """Every rank on this node, in the launcher's own rank processes (`rank_group`): warm ones
     a job of the same shape left, or new ones. The group is kept only when every rank
-    finished and the run did not fail (and not by a parallel sweep's job on accelerators)."""
-    group = rank_group.POOL.take(spec)
+    finished and the run did not fail (and not by a parallel sweep's job on accelerators), in
+    `pool`, the warm groups of the process's runs (None: the ranks leave with the run)."""
+    group = pool.take(spec) if pool is not None else rank_group.RankGroup(spec)
     try:
         with watchdog.RankWatchdog(spec.output_dir, range(spec.world), spec.deadline_s) as dog:
             results, failures = group.run(spec, run_id, log_root, on_rank_done=dog.finished)
@@ -311,8 +312,9 @@ def _launch_here(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
     if group.harness_changed:  # by the implementation after its job's last check: this verdict stands
         log.warning("rank processes ended after this job: %s", "; ".join(
             f"rank {r}: {', '.join(c)}" for r, c in sorted(group.harness_changed.items())))
-    if spec.warm_ranks and result.get("passed") is not False and not shares_devices and not group.harness_changed:
-        rank_group.POOL.keep(group)
+    if (pool is not None and spec.warm_ranks and result.get("passed") is not False and not shares_devices
+            and not group.harness_changed):
+        pool.keep(group)
     else:
         group.close()
     result["rank_processes"] = {"jobs_run": group.jobs_run, "warm": group.jobs_run > 1}
@@ -322,7 +324,7 @@ def _launch_here(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
 def _interrupted(signum: int, log_root: str) -> LaunchOutcome:
     name = signal.Signals(signum).name
     failure = RankFailure(
-        rank=None, stage="interrupted", message=f"interrupted by {name}: every rank was stopped",
+        rank=None, phase="interrupted", message=f"interrupted by {name}: every rank was stopped",
         traceback="", exitcode=128 + int(signum), log_dir=log_root,
     )
     return LaunchOutcome(result=None, failure=failure, log_dir=log_root, interrupted=int(signum))
@@ -352,7 +354,7 @@ def _launch_elastic(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
         return LaunchOutcome(result=None, failure=failure, log_dir=log_root)
     except RendezvousTimeoutError as e:
         failure = RankFailure(
-            rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
+            rank=None, phase="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
             message=(f"rendezvous at {spec.master_addr}:{spec.master_port} timed out after {spec.timeout_s:.0f} s: "
                      f"not all {spec.nnodes} nodes joined" + (f" ({' '.join(str(e).split())})" if str(e).strip() else "")),
         )
@@ -363,7 +365,7 @@ def _launch_elastic(spec: RunSpec, log_root: str, run_id: str) -> LaunchOutcome:
         # answering, before every node joined.
         cause = " ".join(str(e.__cause__ or e).split())[:300] or "the rendezvous was closed"
         failure = RankFailure(
-            rank=None, stage="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
+            rank=None, phase="rendezvous", traceback="", exitcode=-1, log_dir=log_root,
             message=(f"node {spec.node_rank} reached node 0's rendezvous store at {spec.master_addr}:{spec.master_port}, "
                      f"which then failed before all {spec.nnodes} nodes joined ({cause}): node 0 gives up when not "
                      f"every node joins within its timeout_s, or it stopped; start every node within timeout_s "

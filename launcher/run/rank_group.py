@@ -235,6 +235,10 @@ class GroupPool:
 
     def __init__(self):
         self._groups: OrderedDict[tuple, RankGroup] = OrderedDict()
+        # Closed before multiprocessing joins this process's children at its exit (they would
+        # wait for a next job forever): in the launcher's own process and in a job process of a
+        # parallel Hydra launcher, which multiprocessing ends without running atexit handlers.
+        multiprocessing.util.Finalize(self, self.close, exitpriority=100)
 
     def take(self, spec: RunSpec) -> RankGroup:
         """A warm group for `spec` (out of the pool while it runs), or new processes."""
@@ -261,9 +265,3 @@ class GroupPool:
         for group in groups:
             group.wait_to_leave()
 
-
-POOL = GroupPool()
-# Closed before multiprocessing joins this process's children at its exit (they would wait for
-# a next job forever): in the launcher's own process and in a job process of a parallel Hydra
-# launcher, which multiprocessing ends without running atexit handlers.
-multiprocessing.util.Finalize(POOL, POOL.close, exitpriority=100)

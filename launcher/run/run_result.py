@@ -9,7 +9,7 @@ adds the provenance, the verdict word and the decision; the readers (console, pa
 sweep's summary, compare, rerun, the pytest plugin) read the JSON.
 
 A field left at `ABSENT` is not written: result.json's keys are what they were before the
-result had a type (schema_version 1).
+result had a type (schema_version 1), but for the error entry's `phase` (its `stage` there).
 """
 
 from __future__ import annotations
@@ -133,18 +133,18 @@ class RunResult:
         return result
 
     @classmethod
-    def not_launched(cls, case: dict, status: str, message: str, *, wall_s: float, stage: str | None = None,
+    def not_launched(cls, case: dict, status: str, message: str, *, wall_s: float, phase: str | None = None,
                      trace: str = "") -> RunResult:
         """The result of a run that started no rank (status config-error, skipped or error)."""
         return cls(case=case, status=status, passed=False, wall_s=round(wall_s, 3),
-                   error={"rank": None, "stage": stage, "message": message, "traceback": trace, "exitcode": None,
+                   error={"rank": None, "phase": phase, "message": message, "traceback": trace, "exitcode": None,
                           "log_dir": None, "other_ranks": []})
 
     @classmethod
     def launcher_error(cls, case: dict, exc: BaseException, *, wall_s: float) -> RunResult:
         """The result of a run whose launcher process raised (a bug or a broken environment)."""
         trace = "".join(traceback.format_exception(exc))
-        return cls.not_launched(case, "error", f"{type(exc).__name__}: {exc}", wall_s=wall_s, stage="launcher",
+        return cls.not_launched(case, "error", f"{type(exc).__name__}: {exc}", wall_s=wall_s, phase="launcher",
                                 trace=trace)
 
 

@@ -109,7 +109,7 @@ class RankPhaseTimer:
         self._events = open(path, "a", buffering=1)
 
     def _event(self, name: str, event: str) -> None:
-        self._events.write(json.dumps({"rank": self.rank, "stage": name, "event": event, "t": time.time()}) + "\n")
+        self._events.write(json.dumps({"rank": self.rank, "phase": name, "event": event, "t": time.time()}) + "\n")
 
     @contextmanager
     def phase(self, name: str):
@@ -118,11 +118,11 @@ class RankPhaseTimer:
         log.info("phase %s ...", name)
         self._event(name, "start")
         try:
-            fault_injection.at_stage_start(self.fault, name, self.rank)
+            fault_injection.at_phase_start(self.fault, name, self.rank)
             yield
         except BaseException as e:
             self._event(name, "failed")
-            e.add_note(f"rank {self.rank} failed in stage '{name}' at t={time.time():.6f}")
+            e.add_note(f"rank {self.rank} failed in phase '{name}' at t={time.time():.6f}")
             raise
         self.seconds[name] = time.perf_counter() - t0
         self.cpu_seconds[name] = time.process_time() - cpu0

@@ -141,8 +141,8 @@ def test_a_performance_run_is_unchecked_and_exits_0(tp_run):
     (["profile=true"], "set bench.rounds=N"),
     (["bench.warmup=2"], "set bench.rounds=N"),
     (["bench.rounds=-1"], "must be >= 0"),
-    (["fault.kind=raise", "fault.stage=bench"], "never runs without bench.rounds=N"),
-    (["golden=false", "fault.kind=raise", "fault.stage=compare"], "never runs without golden=true"),
+    (["fault.kind=raise", "fault.phase=bench"], "never runs without bench.rounds=N"),
+    (["golden=false", "fault.kind=raise", "fault.phase=compare"], "never runs without golden=true"),
 ])
 def test_bad_benchmark_config_is_refused(tp_run, bad, message):
     run = tp_run(layer="swa", tp=2, model="tiny", overrides=bad)

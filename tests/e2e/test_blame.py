@@ -11,7 +11,7 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize("impl, message", [
     ("ExitOnRank1", "rank 1: the implementation called sys.exit(0) instead of returning its outputs"),
     ("InterruptOnRank1", "rank 1: the implementation raised KeyboardInterrupt itself"),
-    ("ExtraCollectiveOnceRank0MovedOn", "rank 1 was left behind in stage 'layer' while ranks [0] had moved on to "
+    ("ExtraCollectiveOnceRank0MovedOn", "rank 1 was left behind in phase 'layer' while ranks [0] had moved on to "
                                         "'gather': it entered a collective they never entered"),
 ])
 def test_the_rank_that_broke_the_run_is_named(tp_run, tmp_path, impl, message):
@@ -22,5 +22,5 @@ def test_the_rank_that_broke_the_run_is_named(tp_run, tmp_path, impl, message):
                  overrides=[f"impl._target_=tests.defects.{impl}", *progress])
     assert run.exit_code == 2, run
     err = run.result["error"]
-    assert (err["rank"], err["stage"]) == (1, "layer"), run
+    assert (err["rank"], err["phase"]) == (1, "layer"), run
     assert message in err["message"], run

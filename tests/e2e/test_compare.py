@@ -168,7 +168,25 @@ def test_a_result_of_another_schema_version_is_an_error_naming_it(sweeps, tmp_pa
         p = compare_cli(*args)
         assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
         assert p.stderr.strip() == f"error: {path}: schema_version {written}, this tool reads schema_version " \
-                                   f"{SCHEMA_VERSION} only (compare it with the version that wrote it)"
+                                   f"1 and {SCHEMA_VERSION} only (compare it with the version that wrote it)"
+
+
+def _version_1(result):
+    """A result as schema_version 1 wrote it: the error entry's phase named `stage`."""
+    result["schema_version"] = 1
+    if result.get("error"):
+        result["error"]["stage"] = result["error"].pop("phase")
+
+
+@pytest.mark.parametrize("what", ["run", "sweep"])
+def test_a_schema_version_1_result_is_compared_with_a_version_2_one(sweeps, tmp_path, what):
+    base, cand = sweeps
+    src = base / "1" if what == "run" else base
+    _edited(src, tmp_path / "then", _version_1)
+    p = compare_cli(tmp_path / "then", src)
+    assert p.returncode == 0 and "0 regressed" in p.stdout, p.stdout + p.stderr
+    if what == "sweep":  # a version 1 baseline against a failing candidate still regresses
+        assert compare_cli(tmp_path / "then", cand).returncode == 1
 
 
 def test_an_unforeseen_exception_exits_2_never_the_regression_status(monkeypatch, sweeps, capsys):

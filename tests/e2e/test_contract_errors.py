@@ -19,7 +19,7 @@ def test_an_impl_that_changes_its_pure_inputs_is_a_contract_error(tp_run):
     run = tp_run(layer="swa", tp=2, model="tiny", impl=defects.CorruptPureInputs)
     assert run.exit_code == 2, run
     err = run.result["error"]
-    assert (err["rank"], err["stage"]) == (1, "layer"), run
+    assert (err["rank"], err["phase"]) == (1, "layer"), run
     assert "ImplContractError: rank 1: impl changed its pure input(s) wq_a, swa_slot_mapping in place" in run.report
 
 
@@ -27,7 +27,7 @@ def test_an_moe_impl_that_changes_its_pure_inputs_is_a_contract_error(tp_run):
     run = tp_run(layer="moe", ep=2, model="tiny", impl=defects.MoeCorruptsItsInputs)
     assert run.exit_code == 2, run
     err = run.result["error"]
-    assert (err["rank"], err["stage"]) == (1, "layer"), run
+    assert (err["rank"], err["phase"]) == (1, "layer"), run
     assert "ImplContractError: rank 1: impl changed its pure input(s) x_hc, input_ids in place" in run.report
 
 

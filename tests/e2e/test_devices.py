@@ -129,7 +129,7 @@ def test_a_failing_rank_under_torchrun_reports_as_under_the_launcher(tmp_path):
     assert "rank      : 1" in summary and "exitcode  : 2" in summary and "error_file: <N/A>" not in summary, summary
     assert "InjectedFault: injected fault: rank 1 raises" in summary  # the traceback, from the error file
     result = json.loads((out / "result.json").read_text())
-    assert result["status"] == "error" and (result["error"]["rank"], result["error"]["stage"]) == (1, "layer"), result
+    assert result["status"] == "error" and (result["error"]["rank"], result["error"]["phase"]) == (1, "layer"), result
     assert "VERDICT: ERROR" in p.stdout
 
 

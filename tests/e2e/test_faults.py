@@ -1,4 +1,4 @@
-"""Injected faults end the run in bounded time, leave no process behind and name rank and stage."""
+"""Injected faults end the run in bounded time, leave no process behind and name rank and phase."""
 
 from __future__ import annotations
 
@@ -37,54 +37,54 @@ def _no_orphans(run_dir: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind, stage, message",
+    "kind, phase, message",
     [
-        ("raise", "fixture", "InjectedFault: injected fault: rank 1 raises at the start of stage 'fixture'"),
+        ("raise", "fixture", "InjectedFault: injected fault: rank 1 raises at the start of phase 'fixture'"),
         ("raise", "gather", "InjectedFault"),
         # The agent may see a peer's broken collective before rank 1's exit status: either
-        # way rank 1 and the stage are named.
-        ("exit", "layer", "in stage 'layer' without"),
-        ("hang", "layer", "rank 1 stopped in stage 'layer' without an error report"),
-        ("hang", "fixture", "rank 1 stopped in stage 'fixture' without an error report"),
+        # way rank 1 and the phase are named.
+        ("exit", "layer", "in phase 'layer' without"),
+        ("hang", "layer", "rank 1 stopped in phase 'layer' without an error report"),
+        ("hang", "fixture", "rank 1 stopped in phase 'fixture' without an error report"),
     ],
 )
 @pytest.mark.timeout(120)
-def test_process_fault_is_reported_with_rank_and_stage(tp_run, tmp_path, kind, stage, message):
+def test_process_fault_is_reported_with_rank_and_phase(tp_run, tmp_path, kind, phase, message):
     t0 = time.monotonic()
-    run = tp_run(layer="swa", tp=2, model="tiny", timeout_s=5, overrides=[f"fault.kind={kind}", "fault.rank=1", f"fault.stage={stage}"])
+    run = tp_run(layer="swa", tp=2, model="tiny", timeout_s=5, overrides=[f"fault.kind={kind}", "fault.rank=1", f"fault.phase={phase}"])
     assert time.monotonic() - t0 < 60
     assert run.exit_code == 2, run
     err = run.result["error"]
-    assert (err["rank"], err["stage"]) == (1, stage), run
+    assert (err["rank"], err["phase"]) == (1, phase), run
     assert message in err["message"], run
     assert err["log_dir"] and err["log_dir"].endswith(os.path.join("attempt_0", "1")), run
     assert os.path.isfile(os.path.join(err["log_dir"], "stderr.log"))
-    # The traceback box holds what went wrong, not the rank's INFO records of its stages.
+    # The traceback box holds what went wrong, not the rank's INFO records of its phases.
     assert " INFO phase " not in err["traceback"], err["traceback"]
     _no_orphans(str(tmp_path))
 
 
 def test_a_golden_that_fails_on_one_rank_stops_every_rank_before_the_implementation(tp_run):
-    run = tp_run(layer="swa", tp=4, model="tiny", overrides=["fault.kind=raise", "fault.rank=2", "fault.stage=golden"])
+    run = tp_run(layer="swa", tp=4, model="tiny", overrides=["fault.kind=raise", "fault.rank=2", "fault.phase=golden"])
     assert run.exit_code == 2, run
     err = run.result["error"]
-    assert (err["rank"], err["stage"]) == (2, "golden"), run
+    assert (err["rank"], err["phase"]) == (2, "golden"), run
     attempt = os.path.dirname(err["log_dir"])
     for rank in (0, 1, 3):  # each names the rank whose golden failed, and stops
         with open(os.path.join(attempt, str(rank), "stderr.log")) as f:
             assert "the golden failed on rank(s) [2]; no rank runs the implementation" in f.read(), rank
     events = [json.loads(line) for path in glob.glob(os.path.join(run.output_dir, "progress", "rank*.jsonl"))
               for line in open(path)]
-    assert len({e["rank"] for e in events}) == 4 and not any(e["stage"] == "layer" for e in events)
+    assert len({e["rank"] for e in events}) == 4 and not any(e["phase"] == "layer" for e in events)
 
 
 @pytest.mark.timeout(120)
 def test_hang_without_any_collective_ends_at_the_rank_deadline(tp_run, tmp_path):
-    run = tp_run(layer="swa", tp=1, model="tiny", timeout_s=3, overrides=["fault.kind=hang", "fault.rank=0", "fault.stage=golden"])
+    run = tp_run(layer="swa", tp=1, model="tiny", timeout_s=3, overrides=["fault.kind=hang", "fault.rank=0", "fault.phase=golden"])
     assert run.exit_code == 2, run
     err = run.result["error"]
-    assert (err["rank"], err["stage"]) == (0, "golden")
-    assert "outlived its deadline" in err["message"] and "at_stage_start" in err["traceback"], run
+    assert (err["rank"], err["phase"]) == (0, "golden")
+    assert "outlived its deadline" in err["message"] and "at_phase_start" in err["traceback"], run
     _no_orphans(str(tmp_path))
 
 
@@ -118,25 +118,26 @@ def test_an_output_fault_hits_a_scopes_and_the_moe_layers_output(tp_run, keys, t
 @pytest.mark.parametrize("bad, message", [
     (["fault.kind=melt"], "fault.kind='melt' must be one of"),
     (["fault.kind=raise", "fault.rank=2"], "fault.rank=2 must be in [0, 2)"),
-    (["fault.kind=nan", "fault.stage=fixture"], "needs fault.stage=layer"),
+    (["fault.kind=nan", "fault.phase=fixture"], "needs fault.phase=layer"),
     (["fault.kind=raise", "fault.rank=5"], "fault.rank=5 must be in [0, 2)"),
-    (["fault.kind=raise", "fault.stage=bogus"], "fault.stage='bogus' must be one of"),
-    (["fault.stage=bogus"], "fault.stage='bogus' must be one of"),
+    (["fault.kind=raise", "fault.phase=bogus"], "fault.phase='bogus' must be one of"),
+    (["fault.phase=bogus"], "fault.phase='bogus' must be one of"),
     (["fault.rank=5"], "fault.rank=5 must be in [0, 2)"),
-    (["fault.kind=raise", "fault.stage=save"], "never runs without save_data"),
+    (["fault.kind=raise", "fault.phase=save"], "never runs without save_data"),
+    (["fault.kind=raise", "fault.stage=golden"], "fault.stage is now fault.phase; write fault.phase=golden"),
 ])
 def test_bad_fault_config_is_refused(tp_run, bad, message):
     run = tp_run(layer="swa", tp=2, model="tiny", overrides=bad)
     assert run.exit_code == 2 and message in run.report
 
 
-@pytest.mark.parametrize("stage, rank, extra", [("compare", 0, []), ("compare", 1, []), ("save", 0, ["save_data=SNAP"])])
-def test_faults_in_the_conditional_stages_fire(tp_run, tmp_path, stage, rank, extra):
+@pytest.mark.parametrize("phase, rank, extra", [("compare", 0, []), ("compare", 1, []), ("save", 0, ["save_data=SNAP"])])
+def test_faults_in_the_conditional_phases_fire(tp_run, tmp_path, phase, rank, extra):
     overrides = [o.replace("SNAP", str(tmp_path / "snap")) for o in extra]
     run = tp_run(layer="swa", tp=2, model="tiny",
-                 overrides=[*overrides, "fault.kind=raise", f"fault.rank={rank}", f"fault.stage={stage}"])
+                 overrides=[*overrides, "fault.kind=raise", f"fault.rank={rank}", f"fault.phase={phase}"])
     assert run.exit_code == 2, run
-    assert run.result["error"]["rank"] == rank and run.result["error"]["stage"] == stage
+    assert run.result["error"]["rank"] == rank and run.result["error"]["phase"] == phase
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

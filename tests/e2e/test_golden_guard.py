@@ -45,7 +45,7 @@ def test_an_impl_that_patches_on_import_is_refused_and_leaves_the_cache_correct(
                 refused)
     assert p.returncode == 2, p.stdout + p.stderr
     error = _result(refused)["error"]
-    assert error["stage"] == stage, error
+    assert error["phase"] == stage, error
     assert "ImplContractError" in error["message"] and PATCH in error["message"], error
     if stage == "fixture":  # refused before any golden: nothing written
         assert _golden_entries(cache) == []
@@ -66,7 +66,7 @@ def test_under_torchrun_a_patch_on_import_is_refused_before_any_golden(tmp_path)
         capture_output=True, text=True, timeout=300)
     assert p.returncode != 0, p.stdout + p.stderr
     result = json.loads((out / "result.json").read_text())
-    assert result["status"] == "error" and result["error"]["stage"] == "fixture", result
+    assert result["status"] == "error" and result["error"]["phase"] == "fixture", result
     assert "changed before this job's golden" in result["error"]["message"], result
     assert PATCH in result["error"]["message"], result
     assert _golden_entries(cache) == []
@@ -80,7 +80,7 @@ def test_a_patch_in_the_constructor_or_the_call_is_refused(tp_run, tmp_path, imp
     cache = str(tmp_path / "cache")
     run = tp_run(**SWA, golden_cache=cache, impl=impl)
     assert run.exit_code == 2, run
-    assert run.result["error"]["stage"] == "layer", run
+    assert run.result["error"]["phase"] == "layer", run
     assert f"functions the golden and the judges run changed {when}: {PATCH}" in run.report, run
     assert tp_run(**SWA, golden_cache=cache).passed  # the cache holds the true golden
 

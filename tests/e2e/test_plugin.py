@@ -49,7 +49,7 @@ def test_users_tests_run_under_xdist_and_show_the_failing_ranks_traceback(pytest
     result.assert_outcomes(passed=2, failed=1)
     out = result.stdout.str()
     assert "RuntimeError: my kernel exploded on rank one" in out
-    assert "ERROR: rank 1 failed in stage 'layer'" in out
+    assert "ERROR: rank 1 failed in phase 'layer'" in out
 
 
 def _installed() -> bool:

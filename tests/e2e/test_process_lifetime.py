@@ -51,7 +51,7 @@ def wait_for_events(out: Path, wanted: dict[int, tuple[str, str]], timeout: floa
         for rank, (stage, event) in wanted.items():
             path = out / "progress" / f"rank{rank}.jsonl"
             lines = path.read_text().splitlines() if path.exists() else []
-            if any(json.loads(ln)["stage"] == stage and json.loads(ln)["event"] == event for ln in lines if ln.strip()):
+            if any(json.loads(ln)["phase"] == stage and json.loads(ln)["event"] == event for ln in lines if ln.strip()):
                 seen.add(rank)
         if seen == set(wanted):
             return
@@ -124,7 +124,7 @@ def test_sigkill_leaves_nothing_the_ranks_started(tmp_path):
     children.mkdir()
     out = tmp_path / "out"
     proc = start_launcher(out, "layer=swa", "tp=2", "model=tiny", "timeout_s=120", "impl=tests.defects.StartsAChildProcess",
-                          "fault.kind=hang", "fault.rank=1", "fault.stage=gather", env={CHILD_PIDS_ENV: str(children)})
+                          "fault.kind=hang", "fault.rank=1", "fault.phase=gather", env={CHILD_PIDS_ENV: str(children)})
     wait_for_events(out, {1: ("gather", "start")})  # after the layer: both children are running
     pids = recorded_children(children, 2)
     assert set(pids) <= set(session_processes(proc.pid))
@@ -143,15 +143,15 @@ def rank_pid(out: Path, rank: int) -> int:
 def test_a_frozen_rank_is_killed_and_named(tmp_path, tp, rank, stage, why):
     out = tmp_path / "out"
     proc = start_launcher(out, "layer=swa", f"tp={tp}", "model=tiny", "timeout_s=5", "golden_cache=null",
-                          "fault.kind=hang", f"fault.rank={rank}", f"fault.stage={stage}")
+                          "fault.kind=hang", f"fault.rank={rank}", f"fault.phase={stage}")
     wait_for_events(out, {rank: (stage, "start")})
     os.kill(rank_pid(out, rank), signal.SIGSTOP)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 2, stdout + stderr
     err = json.loads((out / "result.json").read_text())["error"]
-    assert (err["rank"], err["stage"]) == (rank, stage), err
+    assert (err["rank"], err["phase"]) == (rank, stage), err
     assert f"rank {rank} was frozen (process state T" in err["message"] and why in err["message"], err
-    assert f"rank {rank} failed in stage '{stage}'" in stdout.decode()
+    assert f"rank {rank} failed in phase '{stage}'" in stdout.decode()
     assert_no_process_left(proc.pid)
 
 

@@ -277,10 +277,10 @@ def test_a_golden_that_fails_stops_the_run_before_the_implementation_runs(tp_run
     markers = tmp_path / "markers"
     markers.mkdir()
     run = tp_run(layer="swa", tp=2, model="tiny", golden_cache=None, impl=RecordsThatItRan,
-                 overrides=[f"+impl.marker_dir={markers}", "fault.kind=raise", "fault.rank=1", "fault.stage=golden"])
+                 overrides=[f"+impl.marker_dir={markers}", "fault.kind=raise", "fault.rank=1", "fault.phase=golden"])
     assert run.exit_code == 2, run
     error = run.result["error"]
-    assert (error["rank"], error["stage"]) == (1, "golden"), error
+    assert (error["rank"], error["phase"]) == (1, "golden"), error
     assert list(markers.iterdir()) == []  # no rank ran the implementation
 
 

@@ -60,7 +60,7 @@ def _images(matplotlib: int, svg: int = 1) -> int:
 
 
 # The figures the harness writes as SVG, on every page; the others need matplotlib.
-SVG_FIGURES = ("stage times per rank", "jobs x tensors map of max |diff| in tolerances")
+SVG_FIGURES = ("phase times per rank", "jobs x tensors map of max |diff| in tolerances")
 
 
 def _alts(page: browser.Page, expected: list[str]) -> None:
@@ -72,9 +72,9 @@ def test_a_passing_run_page(tp_run, driver, tmp_path):
     run = tp_run(layer="swa", tp=2, model="tiny")
     assert run.passed, run
     page = _check(driver, Path(run.output_dir) / "report.html", verdict="PASS", min_images=_images(0),
-                  texts=["x_out", "kv_cache", "reference verdict: PASS, integrity: PASS", "stage times per rank", "rank 1"],
+                  texts=["x_out", "kv_cache", "reference verdict: PASS, integrity: PASS", "phase times per rank", "rank 1"],
                   shot=tmp_path / "pass.png")
-    _alts(page, ["stage times per rank"])
+    _alts(page, ["phase times per rank"])
     # Each rank's logs are linked; a link opens the log itself.
     logs = [ln for ln in page.links if ln["raw"].startswith("logs/")]
     assert {ln["raw"].split("/")[-2] for ln in logs} == {"0", "1"}
@@ -93,7 +93,7 @@ def test_a_failing_run_page(tp_run, driver, tmp_path):
     page = _check(driver, Path(run.output_dir) / "report.html", verdict="FAIL", min_images=_images(2),
                   texts=["x_out", "kv_cache", "FAIL by reference (x_out)", "ratio_reldiff fail", "rank x token block"],
                   shot=tmp_path / "fail.png")
-    _alts(page, ["x_out rank x token block heat map", "x_out rank x hc heat map", "stage times per rank"])
+    _alts(page, ["x_out rank x token block heat map", "x_out rank x hc heat map", "phase times per rank"])
     rows = driver.execute_script(
         "return Array.from(document.querySelectorAll('tr.tensor')).map(r => [r.dataset.tensor, r.dataset.verdict])")
     assert rows == [["kv_cache", "PASS"], ["x_out", "FAIL"]]
@@ -130,12 +130,12 @@ def test_moe_run_pages(tp_run, driver, tmp_path):
     assert (passed.exit_code, failed.exit_code) == (0, 1), (passed, failed)
     case = ["moe full · tiny · ep=2", "layer_id=0", "balanced_routing=False"]
     _check(driver, Path(passed.output_dir) / "report.html", verdict="PASS", min_images=_images(0),
-           texts=[*case, "x_next", "reference verdict: PASS, integrity: PASS", "stage times per rank"], shot=tmp_path / "moe.png")
+           texts=[*case, "x_next", "reference verdict: PASS, integrity: PASS", "phase times per rank"], shot=tmp_path / "moe.png")
     page = _check(driver, Path(failed.output_dir) / "report.html", verdict="FAIL", min_images=_images(2),
                   texts=[*case, "MoeRoutesToTheWrongRank", "FAIL by reference (x_next)", "ratio_reldiff fail",
                          "rank x token block", "rank x hc"], shot=tmp_path / "moe-fail.png")
     assert "tp=" not in page.text
-    _alts(page, ["x_next rank x token block heat map", "x_next rank x hc heat map", "stage times per rank"])
+    _alts(page, ["x_next rank x token block heat map", "x_next rank x hc heat map", "phase times per rank"])
     ranks = driver.execute_script("return Array.from(document.querySelectorAll('#primary-verdicts tr'))"
                                   ".map(r => Array.from(r.cells).slice(0, 3).map(c => c.innerText))")
     assert ranks[1:] == [["x_next", "all", "FAIL"], ["", "0", "bad"], ["", "1", "bad"]]
@@ -146,7 +146,7 @@ def test_error_pages_of_a_crashed_rank_and_a_refused_config(tp_run, driver, tmp_
     refused = tp_run(layer="swa", tp=3, model="tiny")
     assert (crashed.exit_code, refused.exit_code) == (2, 2)
     page = _check(driver, Path(crashed.output_dir) / "report.html", verdict="ERROR", min_images=0,
-                  texts=["rank 1 failed in stage 'layer'", "InjectedFault", "traceback", "failed here"],
+                  texts=["rank 1 failed in phase 'layer'", "InjectedFault", "traceback", "failed here"],
                   shot=tmp_path / "crashed.png")
     assert any(ln["raw"].endswith("/1/stderr.log") for ln in page.links)
     browser.open_page(driver, Path(refused.output_dir) / "report.html")
@@ -202,7 +202,7 @@ def test_a_benchmark_page(tp_run, driver, tmp_path):
     page = _check(driver, Path(run.output_dir) / "report.html", verdict="PASS", min_images=_images(2),
                   texts=["benchmark", "6 timed rounds after 1 warm-up round;", "where a round's time goes",
                          "group_all_to_all", "collective"], shot=tmp_path / "bench.png")
-    _alts(page, ["stage times per rank", "histogram of the benchmark rounds", "benchmark time per stage"])
+    _alts(page, ["phase times per rank", "histogram of the benchmark rounds", "benchmark time per stage"])
 
 
 def test_the_checks_catch_a_wrong_page(driver, tmp_path):

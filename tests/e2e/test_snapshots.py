@@ -59,7 +59,7 @@ def test_a_nonfinite_golden_is_a_reference_error_not_a_fail(tp_run, saved):
     run = tp_run(layer="swa", tp=2, model="tiny", golden_data=str(saved))
     assert run.exit_code == 2, run
     err = run.result["error"]
-    assert (err["rank"], err["stage"]) == (1, "golden"), run
+    assert (err["rank"], err["phase"]) == (1, "golden"), run
     assert f"the snapshot's {saved}/out/x_out.pt holds 5 non-finite value(s) in x_out" in err["message"]
     assert "GoldenNotFinite" in run.report and "a reference error" in run.report
 

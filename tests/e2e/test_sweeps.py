@@ -200,13 +200,13 @@ def _events(out_dir, rank: int, *events: tuple[str, str, float]) -> None:
     path.parent.mkdir(exist_ok=True)
     with open(path, "a") as f:
         for stage, event, t in events:
-            f.write(json.dumps({"rank": rank, "stage": stage, "event": event, "t": t}) + "\n")
+            f.write(json.dumps({"rank": rank, "phase": stage, "event": event, "t": t}) + "\n")
 
 
 @pytest.mark.parametrize("tty", [False, True])
 def test_stage_progress_plain_lines_or_one_status_line(tmp_path, tty):
     stream = _Stream(tty)
-    watcher = progress.StageWatcher(str(tmp_path), 2, "swa tiny tp=2", display=progress.Display(stream), poll_s=60)
+    watcher = progress.PhaseWatcher(str(tmp_path), 2, "swa tiny tp=2", display=progress.Display(stream), poll_s=60)
     _events(tmp_path, 0, ("fixture", "start", 1.0), ("fixture", "done", 1.5), ("golden", "start", 1.5))
     watcher.poll()
     _events(tmp_path, 1, ("fixture", "start", 1.1), ("fixture", "done", 1.7), ("golden", "start", 1.7),
@@ -216,14 +216,14 @@ def test_stage_progress_plain_lines_or_one_status_line(tmp_path, tty):
     text = stream.getvalue()
     lines = [ln for ln in re.split(r"[\r\n]", text) if ln.strip()]
     done = [ln for ln in lines if "fixture done on 2/2 ranks (0.70s)" in ln]
-    failed = [ln for ln in lines if "rank 1 failed in stage golden" in ln]
+    failed = [ln for ln in lines if "rank 1 failed in phase golden" in ln]
     assert len(done) == 1 and len(failed) == 1
     if tty:
         assert "\r\x1b[2K" in text and "fixture 2/2  golden 0/2 FAILED" in text
     else:
         assert not CONTROL.search(text)
         assert text.splitlines() == ["swa tiny tp=2: fixture done on 2/2 ranks (0.70s)",
-                                     "swa tiny tp=2: rank 1 failed in stage golden"]
+                                     "swa tiny tp=2: rank 1 failed in phase golden"]
 
 
 def test_the_status_line_is_cut_to_the_terminals_width(monkeypatch):
@@ -239,7 +239,7 @@ def test_the_status_line_is_cut_to_the_terminals_width(monkeypatch):
 def test_compare_is_done_when_every_rank_judged(tmp_path):
     # Every rank judges its share of the checks: rank 0's compare alone is not the stage's end.
     stream = _Stream(False)
-    watcher = progress.StageWatcher(str(tmp_path), 2, "x", display=progress.Display(stream), poll_s=60)
+    watcher = progress.PhaseWatcher(str(tmp_path), 2, "x", display=progress.Display(stream), poll_s=60)
     _events(tmp_path, 0, ("compare", "start", 1.0), ("compare", "done", 1.25))
     watcher.poll()
     assert stream.getvalue() == ""

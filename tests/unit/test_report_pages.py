@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.report import plots, svg
+from launcher.report import console, plots, svg
 from launcher.report.run_page import render, write_page, write_result_and_page
 from launcher.report.sweep_page import write_sweep_page
 
@@ -50,13 +50,13 @@ def ok_result(passed: bool, log_dir: str | None = None) -> dict:
 
 def not_run(status: str, message: str) -> dict:
     return {"case": CASE, "torch": "2.x", "host": "h", "wall_s": 0.1, "status": status, "passed": False,
-            "error": {"rank": None, "stage": "config", "message": message, "traceback": "", "exitcode": None,
+            "error": {"rank": None, "phase": "config", "message": message, "traceback": "", "exitcode": None,
                       "log_dir": None, "other_ranks": []}}
 
 
 def crashed() -> dict:
     return {"case": CASE, "torch": "2.x", "host": "h", "wall_s": 1.0, "log_dir": None, "status": "error",
-            "passed": False, "error": {"rank": 1, "stage": "layer", "message": "RuntimeError: boom",
+            "passed": False, "error": {"rank": 1, "phase": "layer", "message": "RuntimeError: boom",
                                        "traceback": "Traceback (most recent call last):\nRuntimeError: boom",
                                        "exitcode": 1, "log_dir": None, "other_ranks": [0]}}
 
@@ -97,7 +97,7 @@ def test_a_failing_tensor_gets_a_heat_map_per_grid_with_bad_points():
     page = render(ok_result(False))
     alts = re.findall(r'<img alt="([^"]*)" src="data:image/([a-z+]*);base64,', page)
     assert alts == [("x_out rank x token block heat map", "png"), ("x_out rank x hc heat map", "png"),
-                    ("stage times per rank", "svg+xml")]
+                    ("phase times per rank", "svg+xml")]
     assert "figure not drawn" not in page
 
 
@@ -140,9 +140,16 @@ def test_a_crashed_rank_is_named_and_its_log_folder_marked(tmp_path):
     result["log_dir"] = str(tmp_path / "logs")
     result["error"]["log_dir"] = str(d)
     page = render(result, str(tmp_path))
-    assert "rank 1 failed in stage &#x27;layer&#x27; (exit code 1): RuntimeError: boom" in page
+    assert "rank 1 failed in phase &#x27;layer&#x27; (exit code 1): RuntimeError: boom" in page
     assert "ranks also stopped: 0" in page and "failed here" in page
     assert 'href="logs/run/attempt_0/1/stderr.log"' in page
+
+
+def test_a_schema_version_1_error_names_its_phase_from_its_stage_key(tmp_path):
+    result = crashed()
+    result["error"]["stage"] = result["error"].pop("phase")  # result.json of schema_version 1
+    assert "rank 1 failed in phase &#x27;layer&#x27; (exit code 1)" in render(result, str(tmp_path))
+    assert "rank 1 failed in phase 'layer' (exit code 1)" in console.render(result)
 
 
 BENCH = {"rounds": 6, "warmup": 2, "min_s": 0.010, "median_s": 0.012, "mean_s": 0.0125, "max_s": 0.016,
@@ -197,12 +204,12 @@ def test_without_matplotlib_the_page_has_tables_and_says_how_to_get_figures(monk
     finally:
         plots.available.cache_clear()
     assert h1_verdict(page) == "FAIL"
-    # The stage times are SVG, drawn without matplotlib; the heat maps and benchmark charts are not.
-    assert re.findall(r'<img alt="([^"]*)" src="data:image/svg\+xml;base64,', page) == ["stage times per rank"]
+    # The phase times are SVG, drawn without matplotlib; the heat maps and benchmark charts are not.
+    assert re.findall(r'<img alt="([^"]*)" src="data:image/svg\+xml;base64,', page) == ["phase times per rank"]
     assert page.count("<img") == 1 and "figure not drawn" not in page
     assert "matplotlib is not installed" in page and "pip install &#x27;dsv4-tp-harness[plots]&#x27;" in page
     assert "<details open><summary>where the bad points are, as text" in page  # the grids as text instead
-    assert 'id="stage-times"' in page and 'id="bench"' in page
+    assert 'id="phase-times"' in page and 'id="bench"' in page
     # A passing run's page has no figure that needs matplotlib: nothing to say about it.
     plots.available.cache_clear()
     try:
@@ -214,12 +221,12 @@ def test_without_matplotlib_the_page_has_tables_and_says_how_to_get_figures(monk
 
 def test_a_figure_that_fails_leaves_a_note_and_the_rest_of_the_page(monkeypatch):
     def broken(*args):
-        raise ValueError("no such stage")
+        raise ValueError("no such phase")
 
-    monkeypatch.setattr(svg, "stage_times", broken)
+    monkeypatch.setattr(svg, "phase_times", broken)
     page = render(ok_result(True))
-    assert "figure not drawn (stage times per rank): ValueError: no such stage" in page
-    assert h1_verdict(page) == "PASS" and 'id="stage-times"' in page
+    assert "figure not drawn (phase times per rank): ValueError: no such phase" in page
+    assert h1_verdict(page) == "PASS" and 'id="phase-times"' in page
 
 
 def test_a_page_that_cannot_be_rendered_is_a_warning_not_the_runs_outcome(tmp_path, capsys):

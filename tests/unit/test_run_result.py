@@ -69,9 +69,9 @@ def test_the_ranks_verdict_and_the_results_agree():
 
 
 def test_a_result_writes_only_the_keys_it_has():
-    refused = RunResult.not_launched({"layer": "swa"}, "config-error", "bad key", wall_s=0.01234, stage="config")
+    refused = RunResult.not_launched({"layer": "swa"}, "config-error", "bad key", wall_s=0.01234, phase="config")
     assert set(refused.to_json()) == {"case", "status", "passed", "wall_s", "error"}
-    assert refused.to_json()["wall_s"] == 0.012 and refused.to_json()["error"]["stage"] == "config"
+    assert refused.to_json()["wall_s"] == 0.012 and refused.to_json()["error"]["phase"] == "config"
     launched = _built(([PASS], None))
     assert "groups" not in launched and "snapshot" not in launched and "rank_figures" not in launched
     assert launched["rank_peak_rss_mib"] == [1.0] and launched["golden_cache_problems"] == []

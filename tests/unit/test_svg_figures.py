@@ -28,16 +28,16 @@ def _luminance(fill: str) -> float:
     return 0.299 * r + 0.587 * g + 0.114 * b
 
 
-def test_stage_bars_are_as_long_as_the_stages_in_run_order_rank_0_on_top():
+def test_phase_bars_are_as_long_as_the_phases_in_run_order_rank_0_on_top():
     seconds = [{"fixture": 0.2, "golden": 0.1, "layer": 0.4, "compare": 0.05}, {"fixture": 0.1, "layer": 0.8}]
-    root = _parse(svg.stage_times(seconds))
-    bars = _shapes(root, "data-stage")
-    got = [(int(b.get("data-rank")), b.get("data-stage")) for b in bars]
+    root = _parse(svg.phase_times(seconds))
+    bars = _shapes(root, "data-phase")
+    got = [(int(b.get("data-rank")), b.get("data-phase")) for b in bars]
     assert got == [(0, "fixture"), (0, "golden"), (0, "layer"), (0, "compare"), (1, "fixture"), (1, "layer")]
-    width = {(int(b.get("data-rank")), b.get("data-stage")): float(b.get("width")) for b in bars}
+    width = {(int(b.get("data-rank")), b.get("data-phase")): float(b.get("width")) for b in bars}
     assert width[(1, "layer")] == pytest.approx(2 * width[(0, "layer")], rel=1e-3)
     assert width[(0, "fixture")] == pytest.approx(2 * width[(1, "fixture")], rel=1e-3)
-    x = {(int(b.get("data-rank")), b.get("data-stage")): float(b.get("x")) for b in bars}
+    x = {(int(b.get("data-rank")), b.get("data-phase")): float(b.get("x")) for b in bars}
     assert x[(0, "layer")] == pytest.approx(x[(0, "fixture")] + width[(0, "fixture")] + width[(0, "golden")], abs=0.02)
     y = {int(b.get("data-rank")): float(b.get("y")) for b in bars}
     assert y[0] < y[1]
@@ -47,9 +47,9 @@ def test_stage_bars_are_as_long_as_the_stages_in_run_order_rank_0_on_top():
     assert {"fixture", "golden", "layer", "compare"} <= set(legend) and "gather" not in legend
 
 
-def test_stage_times_of_a_rank_without_figures_and_many_ranks():
-    root = _parse(svg.stage_times([None, {"fixture": 0.0}] + [{"fixture": 1.0}] * 62))
-    ranks = {int(b.get("data-rank")) for b in _shapes(root, "data-stage")}
+def test_phase_times_of_a_rank_without_figures_and_many_ranks():
+    root = _parse(svg.phase_times([None, {"fixture": 0.0}] + [{"fixture": 1.0}] * 62))
+    ranks = {int(b.get("data-rank")) for b in _shapes(root, "data-phase")}
     assert 0 not in ranks and ranks == set(range(1, 64))
     labels = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.get("text-anchor") == "end"]
     assert labels[0] == "0" and labels[-1] == "63" and len(labels) <= 32
