@@ -16,6 +16,7 @@ import difflib
 from collections.abc import Collection, Mapping, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob
 
 
 def override_keys(overrides: Sequence[str]) -> frozenset[str]:
@@ -54,10 +55,13 @@ def renamed_key(overrides: Sequence[str], renamed: Mapping[str, str]) -> str | N
     return None
 
 
-def _layers_chosen(parsed: list, default_layer: str) -> list[str]:
-    """The layers the overrides run: the values of `layer=` (each of a sweep's), else the default."""
+def _layers_chosen(parsed: list, default_layer: str, layers: Collection[str]) -> list[str]:
+    """The layers the overrides run: the values of `layer=` (each of a sweep's; a `glob(...)`
+    matched against `layers`, as Hydra's config loader would), else the default."""
     for o in parsed:
         if o.key_or_group == "layer" and not o.is_delete():
+            if isinstance(o.value(), Glob):
+                return o.value().filter(sorted(layers))
             return list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
     return [default_layer]
 
@@ -68,7 +72,7 @@ def foreign_case_key(overrides: Sequence[str], layer_keys: Mapping[str, Collecti
     layer with layer=moe), naming the layers whose key it is and the keys the layer takes; None if
     every case key it sets belongs to every layer it runs."""
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    chosen = _layers_chosen(parsed, default_layer)
+    chosen = _layers_chosen(parsed, default_layer, layer_keys)
     case_keys = {k for keys in layer_keys.values() for k in keys}
     for text, o in zip(overrides, parsed):
         key = o.key_or_group.lstrip("+")
