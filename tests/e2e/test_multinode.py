@@ -148,8 +148,8 @@ def test_a_node_dying_mid_run_is_named_by_the_other(tmp_path):
     common = ["layer=swa", "tp=4", "model=tiny", "timeout_s=8", "fault.kind=exit", "fault.rank=3"]
     res = _two_nodes(tmp_path, common)
     assert res[0][0] == 2 and res[1][0] == 2
-    assert "a rank on another node failed or stopped during stage 'layer': node 1 (ranks 2-3)" in res[0][1], res[0][1]
-    assert "rank 3" in res[1][1] and "stage 'layer'" in res[1][1], res[1][1]
+    assert "a rank on another node failed or stopped during phase 'layer': node 1 (ranks 2-3)" in res[0][1], res[0][1]
+    assert "rank 3" in res[1][1] and "phase 'layer'" in res[1][1], res[1][1]
 
 
 def test_a_node_without_node_0_is_refused_with_one_line_before_launch(tp_run):

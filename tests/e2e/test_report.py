@@ -266,8 +266,8 @@ def test_a_defective_rank_is_located_end_to_end(tp_run):
         assert run.result["plots"] == []
 
 
-def test_each_rank_stage_has_its_wall_and_its_cpu_time(tp_run):
-    """result.json's `rank_cpu_seconds` is each stage's CPU, not its wall: in the layer stage
+def test_each_rank_phase_has_its_wall_and_its_cpu_time(tp_run):
+    """result.json's `rank_cpu_seconds` is each phase's CPU, not its wall: in the layer phase
     rank 0 computes for 0.3 s, rank 1 sleeps as long; the report's table shows both."""
     run = tp_run(layer="swa", tp=2, model="tiny", impl=defects.BusyOnRank0IdleOnRank1)
     assert run.exit_code == 0, run
@@ -277,7 +277,7 @@ def test_each_rank_stage_has_its_wall_and_its_cpu_time(tp_run):
     assert wall[1]["layer"] >= 0.3 and cpu[1]["layer"] < 0.15
     assert all(0 <= c[s] for c in cpu for s in c)
     page = open(os.path.join(run.output_dir, "report.html")).read()
-    assert "<th>CPU s</th>" in page.split('id="stage-times"')[1].split("</table>")[0]
+    assert "<th>CPU s</th>" in page.split('id="phase-times"')[1].split("</table>")[0]
 
 
 def _bench_module(monkeypatch, name: str):

@@ -84,7 +84,7 @@ def test_a_passing_run_page(tp_run, driver, tmp_path):
         if ln["raw"].split("/")[-2] == "0":
             driver.get(ln["href"])
             text += driver.execute_script("return document.body.innerText")
-    assert "stage fixture" in text
+    assert "phase fixture" in text
 
 
 def test_a_failing_run_page(tp_run, driver, tmp_path):
