@@ -43,7 +43,7 @@ def start_launcher(out: Path, *args: str, env: dict | None = None) -> subprocess
     )
 
 
-def wait_for_events(out: Path, wanted: dict[int, tuple[str, str]], timeout: float = 120) -> None:
+def wait_for_events(out: Path, wanted: dict[int, tuple[str, str]], timeout: float = 600) -> None:
     """Until each rank's progress has its wanted (stage, event)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
