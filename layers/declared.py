@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
+import os
 import pkgutil
 
 import layers
@@ -15,19 +15,32 @@ import layers
 from .contract.declaration import Declaration, in_order
 
 
-@functools.cache
-def declarations() -> tuple[Declaration, ...]:
-    """Every declaration, each before the kinds it shadows (the order snapshots are recognised in)."""
+def _declared(attribute: str) -> list[Declaration]:
+    """`attribute` of every package's `declared` module that has it, concatenated."""
     found: list[Declaration] = []
     for package in pkgutil.iter_modules(layers.__path__):
-        name = f"layers.{package.name}.declared"
-        if package.ispkg and importlib.util.find_spec(name) is not None:
-            found.extend(importlib.import_module(name).DECLARATIONS)
-    return in_order(found)
+        # Looked for on disk: finding a module imports its package, and a package without
+        # declarations (the block's) may import torch.
+        if package.ispkg and os.path.isfile(os.path.join(package.module_finder.path, package.name, "declared.py")):
+            found.extend(getattr(importlib.import_module(f"layers.{package.name}.declared"), attribute, ()))
+    return found
+
+
+@functools.cache
+def declarations() -> tuple[Declaration, ...]:
+    """Every decode declaration, each before the kinds it shadows (the order snapshots are
+    recognised in)."""
+    return in_order(_declared("DECLARATIONS"))
+
+
+@functools.cache
+def phase_declarations() -> tuple[Declaration, ...]:
+    """The declarations of the other phases' snapshots (`PHASE_DECLARATIONS`), recognised first."""
+    return tuple(_declared("PHASE_DECLARATIONS"))
 
 
 def declaration(name: str) -> Declaration | None:
     return next((d for d in declarations() if d.name == name), None)
 
 
-__all__ = ["declarations", "declaration"]
+__all__ = ["declarations", "declaration", "phase_declarations"]

@@ -12,7 +12,8 @@ from .block import layer as block
 from .moe.collectives import MoECollectivesScope
 from .prefill import layer as prefill
 from .prefill.case import PrefillCase
-from .contract.case import Case
+from .block.case import BlockCase
+from .contract.case import Case, MoECase
 from .contract.config import ConfigError
 from .contract.layer import Layer
 from .attention.scopes import CollectivesScope, OutputScope, TP1Scope
@@ -25,7 +26,14 @@ SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, 
 MOE_SCOPES = {"collectives": MoECollectivesScope}
 # The context-parallel prefill layers (phase=prefill), by layer name.
 PREFILL = {prefill.LAYER.name: prefill.LAYER}
-PHASES = ("decode", "prefill")
+# The case each set of case keys builds (`layers.contract.case.CASE_KEYS`, named by a layer's
+# config group), and the phases with a case of their own (their keys at the run config's top
+# level, `PrefillCase.config_keys`); decode, the first phase, builds its layer's key set's case.
+CASE_TYPES = {"tp": Case, "ep": MoECase, "block": BlockCase}
+PHASE_CASES = {"prefill": PrefillCase}
+PHASES = ("decode", *PHASE_CASES)
+# Any layer's case (what a RunSpec carries).
+AnyCase = Case | MoECase | BlockCase | PrefillCase
 
 
 def layer_names() -> tuple[str, ...]:
@@ -66,6 +74,17 @@ def prefill_layer(name: str) -> Layer:
     return PREFILL[name]
 
 
+def case_type(layer: str, phase: str, key_set: str) -> type:
+    """The case class a run of `layer` in `phase` builds, its config group naming case keys
+    `key_set`: the phase's own (for a layer that runs that phase), else the key set's."""
+    if phase not in PHASES:
+        raise ConfigError(f"phase={phase!r} must be one of {', '.join(PHASES)}")
+    if phase in PHASE_CASES:
+        prefill_layer(layer)  # a layer without a prefill stage list is a ConfigError here
+        return PHASE_CASES[phase]
+    return CASE_TYPES[key_set]
+
+
 def layer_of(case, scope: str | None = None) -> Layer:
     """The layer (or focused scope) a case runs: its phase's, by name and scope (`scope`: in
     place of the case's own)."""
@@ -90,4 +109,4 @@ def validated(case) -> Layer:
     return layer
 
 
-__all__ = ["LAYERS", "SCOPES", "PREFILL", "PHASES", "prefill_layer", "layer_of", "layer_names", "scope_names", "get_layer", "get_scope", "validated"]
+__all__ = ["LAYERS", "SCOPES", "PREFILL", "PHASES", "CASE_TYPES", "PHASE_CASES", "AnyCase", "case_type", "prefill_layer", "layer_of", "layer_names", "scope_names", "get_layer", "get_scope", "validated"]

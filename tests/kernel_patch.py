@@ -1,5 +1,5 @@
 """A stand-in for a kernel library that monkey-patches the harness when imported: importing this
-module replaces `layers.components.qkv.rms_norm` with `tests.defects.fast_rms_norm` (5 % off), and
+module replaces `layers.components.qkv.rms_norm` with `tests.defects.norm_patches.fast_rms_norm` (5 % off), and
 its implementation is the default one, which then runs the replaced RMSNorm. Never import it
 into a process that computes goldens (the pytest process included): name it as `impl=` of a run
 of its own."""

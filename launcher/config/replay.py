@@ -1,8 +1,8 @@
 """The case a replayed snapshot fixes, merged with the keys the command line gives.
 
 A snapshot holds its whole case: `launcher.store.snapshot_case.describe` reads what it says
-(layer, scope, tp, local_t, start positions, seed, model; a MoE snapshot ep, layer_id and
-num_tokens in place of tp, local_t and start positions) into `SnapshotFacts`, each fact with
+(layer, scope, seed, model and the keys its case class names, `snapshot_keys`: tp, local_t
+and start positions of a TP layer) into `SnapshotFacts`, each fact with
 the file it comes from. `replayed_case` takes every fact in place of the config's value; a key
 the user gave explicitly must agree with the snapshot, or the run is refused with one line
 naming the key, both values and the file. Keys the snapshot does not fix (a scope snapshot's
@@ -24,18 +24,17 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from layers.contract.case import Case, MoECase
 from layers.contract.config import ConfigError, ModelConfig
 from layers.contract.layer import Layer
-from layers.prefill.case import PrefillCase
-from layers.registry import get_scope
+from layers.registry import CASE_TYPES, PHASE_CASES, AnyCase, get_scope
 
 from launcher.config.overrides import override_keys
 
-# The keys a snapshot can fix; `model.<field>` keys are read as the model key too. The MoE
-# layer's snapshot fixes ep, layer_id and num_tokens in place of tp, local_t and start_pos.
-CASE_KEYS = ("layer", "phase", "scope", "tp", "local_t", "start_pos", "ep", "layer_id", "num_tokens", "cp", "cp_layout",
-             "prefix", "segment_lens", "seed", "model")
+# The keys a snapshot can fix (each case class's `snapshot_keys`); `model.<field>` keys are read
+# as the model key too.
+CASE_KEYS = tuple(dict.fromkeys(("layer", "phase", "scope",
+                                 *(k for kind in (*CASE_TYPES.values(), *PHASE_CASES.values()) for k in kind.snapshot_keys),
+                                 "seed", "model")))
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def _model(config_model: ModelConfig, facts: SnapshotFacts, given: frozenset[str
     return model
 
 
-def _start_pos(layer: Layer, case: Case, starts: tuple[tuple[int, ...], ...]) -> int | tuple[int, ...] | None:
+def _start_pos(layer: Layer, case: AnyCase, starts: tuple[tuple[int, ...], ...]) -> int | tuple[int, ...] | None:
     """The snapshot's starts as the config writes them: None when they are the layer's canonical
     set, an int when every request starts there, else one per request of the TP group."""
     flat = [s for rank in starts for s in rank]
@@ -152,7 +151,7 @@ def _field_overrides(model: ModelConfig, given: frozenset[str]) -> dict[str, Any
     return {k.split(".", 1)[1]: getattr(model, k.split(".", 1)[1]) for k in given if k.startswith("model.")}
 
 
-def _seed(case: Case | MoECase, facts: SnapshotFacts, given: frozenset[str]) -> int | None:
+def _seed(case: AnyCase, facts: SnapshotFacts, given: frozenset[str]) -> int | None:
     """The snapshot's seed; None where it records none (a given seed is then no part of the run)."""
     return None if facts.seed is None else _agreed("seed", case.seed, facts, given)
 
@@ -164,49 +163,20 @@ def _read(facts: SnapshotFacts) -> tuple[str, ...]:
     return tuple(read)
 
 
-def _replayed_moe_case(case: MoECase, facts: SnapshotFacts, given: frozenset[str]) -> tuple[MoECase, tuple[str, ...]]:
-    """The MoE case of a replay: ep, layer_id, num_tokens, seed and model from the snapshot."""
-    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("ep", "layer_id", "num_tokens")}
-    values["seed"] = _seed(case, facts, given)
-    model = _model(case.model, facts, given, _field_overrides(case.model, given))
-    return dataclasses.replace(case, model=model, **values), _read(facts)
-
-
-def _replayed_prefill_case(case: PrefillCase, facts: SnapshotFacts,
-                           given: frozenset[str]) -> tuple[PrefillCase, tuple[str, ...]]:
-    """The CP prefill case of a replay: layer, cp, layout, prefix, segment lengths, seed and
-    model from the snapshot."""
-    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("layer", "cp", "cp_layout", "prefix")}
-    lens = _agreed("segment_lens", case.lengths, facts, given)
-    values["segment_lens"] = None if lens is None else tuple(lens)
-    values["seed"] = _seed(case, facts, given)
-    model = _model(case.model, facts, given, _field_overrides(case.model, given))
-    return dataclasses.replace(case, model=model, **values), _read(facts)
-
-
-def replayed_case(case: Case | MoECase | PrefillCase, facts: SnapshotFacts, given: frozenset[str],
-                  default_local_t) -> tuple[Case | MoECase | PrefillCase, tuple[str, ...]]:
+def replayed_case(case: AnyCase, facts: SnapshotFacts, given: frozenset[str]) -> tuple[AnyCase, tuple[str, ...]]:
     """The case of a replay: every fact of the snapshot, checked against the keys the user gave.
-    Returns the case and the keys read from the snapshot. `default_local_t(layer, scope, model,
-    tp)` is the config's default, for a snapshot that holds no local_t."""
-    if isinstance(case, MoECase):
-        return _replayed_moe_case(case, facts, given)
-    if isinstance(case, PrefillCase):
-        return _replayed_prefill_case(case, facts, given)
-    values = {k: _agreed(k, getattr(case, k), facts, given) for k in ("layer", "scope", "tp")}
+    Returns the case and the keys read from the snapshot. The keys are the case's own
+    (`snapshot_keys`); a token count the snapshot does not hold is the default for its model and
+    group, and its starts are compared as the layer resolves them."""
+    keys = type(case).snapshot_keys
+    plain = [k for k in keys if k not in ("local_t", "start_pos")]
+    values = {k: _agreed(k, getattr(case, k), facts, given) for k in plain}
     values["seed"] = _seed(case, facts, given)
     model = _model(case.model, facts, given, _field_overrides(case.model, given))
-    if facts.local_t is not None:
-        if "local_t" in given and case.local_t != facts.local_t.value:
-            raise _refuse("local_t", case.local_t, facts.local_t)
-        local_t = facts.local_t.value
-    elif "local_t" in given:
-        local_t = case.local_t
-    else:
-        local_t = default_local_t(values["layer"], values["scope"], model, values["tp"])
-    replayed = Case(layer=values["layer"], model=model, tp=values["tp"], local_t=local_t, seed=values["seed"],
-                    start_pos=case.start_pos, scope=values["scope"])
-    if facts.starts is not None:
+    replayed = dataclasses.replace(case, model=model, **values)
+    if "local_t" in keys:
+        replayed = dataclasses.replace(replayed, local_t=_local_t(case, replayed, facts, given))
+    if "start_pos" in keys and facts.starts is not None:
         layer = get_scope(replayed.layer, replayed.scope)
         if "start_pos" in given:
             if layer.start_positions(replayed) != [list(r) for r in facts.starts.value]:
@@ -215,6 +185,19 @@ def replayed_case(case: Case | MoECase | PrefillCase, facts: SnapshotFacts, give
         else:
             replayed = dataclasses.replace(replayed, start_pos=_start_pos(layer, replayed, facts.starts.value))
     return replayed, _read(facts)
+
+
+def _local_t(case: AnyCase, replayed: AnyCase, facts: SnapshotFacts, given: frozenset[str]) -> int:
+    """The snapshot's token count; the given one where it holds none; else the default for the
+    replayed model, group and scope."""
+    if facts.local_t is not None:
+        if "local_t" in given and case.local_t != facts.local_t.value:
+            raise _refuse("local_t", case.local_t, facts.local_t)
+        return facts.local_t.value
+    if "local_t" in given:
+        return case.local_t
+    whole = get_scope(replayed.layer, replayed.scope).whole_requests
+    return type(case).default_local_t(replayed.model, replayed.group_size, whole)
 
 
 def facts_entry(facts: SnapshotFacts, read: Sequence[str]) -> dict:

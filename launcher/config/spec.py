@@ -1,7 +1,8 @@
 """The one reader of the run config: a composed Hydra config -> a validated, frozen `RunSpec`.
 
 `run_spec` reads every key once and checks each value (naming the key, the value and the
-rule) into a RunSpec and its `Case` (or `MoECase`); `validated_spec` takes the case a replayed
+rule) into a RunSpec and its case (the class its layer and phase build, `layers.registry.case_type`,
+from the config keys: `from_config`); `validated_spec` takes the case a replayed
 snapshot fixes (`launcher.config.replay`), validates the case once (its TP or EP rules, then
 its layer's) and reads the run's tolerances (`launcher.config.tolerance`). What only the
 machine can tell (devices, ports, the snapshot's files, an importable implementation) is
@@ -18,16 +19,13 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from layers.block.case import BlockCase, default_local_t, resolve_attention
-from layers.contract.case import Case, MoECase
-from layers.contract.config import MOE_MAX_EP, ConfigError, ModelConfig
+from layers.contract.config import ConfigError, ModelConfig
 from layers.contract.layer import Layer
-from layers.prefill.case import PrefillCase
-from layers.registry import PHASES, get_scope, layer_of, prefill_layer, validated
+from layers.registry import PHASE_CASES, PHASES, AnyCase, case_type, get_scope, layer_of, validated
 
 from launcher.config.fault_config import Fault
 from launcher.config.fault_config import check_unset as check_fault_unset
@@ -35,15 +33,13 @@ from launcher.config.job_slot import JobSlot
 from launcher.config.overrides import foreign_case_key, override_keys
 from launcher.config.replay import (SnapshotFacts, facts_entry, given_keys, replayed_case, replayed_layer,
                                     replayed_phase)
-from launcher.config.resolvers import tp_of
-from launcher.config.schema import layer_groups, layer_keys, with_layer
+from launcher.config.schema import RunSchema, layer_groups, layer_keys, with_layer
 from launcher.config.slurm import node_keys, slurm_step
 from launcher.config.tolerance import Tolerances, read_tolerances
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_IMPL = "layers.tp.TorchTP"
-DEFAULT_CP = 2  # the prefill CP size when `cp` is not given (the reference's default)
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,7 @@ class RunSpec:
     """Everything a rank needs to run its part of one case, and how the launcher reports it
     (picklable, no OmegaConf)."""
 
-    case: Case | MoECase | PrefillCase
+    case: AnyCase
     impl: dict  # a Hydra instantiate spec: {"_target_": ..., **kwargs}
     backend: str
     timeout_s: float
@@ -141,19 +137,6 @@ class RunSpec:
                 "impl": self.impl.get("_target_")}
 
 
-def _start_pos(value: Any) -> int | tuple[int, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, (ListConfig, list, tuple)):
-        items = list(value)
-        if not items or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
-            raise ConfigError(f"start_pos={list(items)} must be an integer or a non-empty list of integers")
-        return tuple(items)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ConfigError(f"start_pos={value!r} must be an integer or a list of integers")
-
-
 def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     """Every key of a composed config read once and its value checked, into a RunSpec; raises
     ConfigError naming the key, its value and the rule. The case it holds is not validated yet:
@@ -163,20 +146,11 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     model = ModelConfig(**model_fields)
     layer_name, scope = str(cfg.layer.name), str(cfg.scope)
     get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
-    if cfg.phase not in PHASES:
-        raise ConfigError(f"phase={cfg.phase!r} must be one of {', '.join(PHASES)}")
-    if cfg.phase == "prefill":
-        case = _prefill_case(cfg, model, layer_name, scope)
-    else:
-        prefill_keys = [k for k in ("cp", "segment_lens") if cfg[k] is not None] + (["prefix"] if cfg.prefix else [])
-        if prefill_keys:
-            raise ConfigError(f"{prefill_keys[0]}={cfg[prefill_keys[0]]} is a key of phase=prefill; leave it out "
-                              f"of a decode run")
-        case = CASE_OF_KEYS[layer_groups()[layer_name]["key_set"]](cfg, model, layer_name, scope)
+    case = _case(cfg, model, layer_name, scope)
     group = case.group_size
     dp = int(cfg.dp)
     if dp < 1:
-        raise ConfigError(f"dp={dp} must be >= 1 (the number of groups; the world is dp*{_size_key(case)} ranks)")
+        raise ConfigError(f"dp={dp} must be >= 1 (the number of groups; the world is dp*{case.group_key} ranks)")
     if dp > 1 and cfg.golden_data:
         raise ConfigError(f"golden_data replays one group's snapshot: it needs dp=1, not dp={dp}")
     world = dp * group
@@ -234,81 +208,28 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     )
 
 
-def _size_key(case) -> str:
-    return "ep" if isinstance(case, (MoECase, BlockCase)) else "tp"
+def _case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str):
+    """The case the run's layer and phase build from the config keys (`layers.registry.case_type`).
+    A phase with a case of its own takes only its keys (the layer's group at its defaults); the
+    other phases refuse them."""
+    group = layer_groups()[layer]
+    kind = case_type(layer, str(cfg.phase), group["key_set"])
+    own = getattr(kind, "config_keys", ())
+    if own:
+        decode_keys = [k for k, default in group["keys"].items() if cfg[k] != default]
+        if decode_keys:
+            raise ConfigError(f"{decode_keys[0]}={cfg[decode_keys[0]]} is a key of phase={PHASES[0]}; "
+                              f"phase={cfg.phase} takes {', '.join(own[:-1])} and {own[-1]}")
+    for phase, other in PHASE_CASES.items():
+        given = [k for k in other.config_keys if phase != cfg.phase and cfg[k] != _RUN_DEFAULTS[k]]
+        if given:
+            raise ConfigError(f"{given[0]}={cfg[given[0]]} is a key of phase={phase}; leave it out of a "
+                              f"{cfg.phase} run")
+    return kind.from_config(cfg, model, layer, scope, get_scope(layer, scope).whole_requests)
 
 
-def _attention_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> Case:
-    """The case of a TP layer from its keys (`layers.contract.case.TPKeys`)."""
-    tp = tp_of(cfg)
-    if tp < 1:
-        raise ConfigError(f"tp={tp} must be >= 1")
-    local_t = cfg.local_t if cfg.local_t is not None else _default_local_t(layer, scope, model, tp)
-    return Case(layer=layer, model=model, tp=tp, local_t=int(local_t), seed=int(cfg.seed),
-                start_pos=_start_pos(cfg.start_pos), scope=scope)
-
-
-def _prefill_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> PrefillCase:
-    """The case of a context-parallel prefill (layers/prefill): CP keys; the decode TP and MoE
-    keys are refused."""
-    prefill_layer(layer)  # a layer without a prefill stage list is a ConfigError here
-    group = layer_groups()[layer]["keys"]
-    decode_keys = [k for k, default in group.items() if cfg[k] != default]
-    if decode_keys:
-        raise ConfigError(f"{decode_keys[0]}={cfg[decode_keys[0]]} is a key of phase=decode; phase=prefill takes "
-                          f"cp, cp_layout, prefix and segment_lens")
-    lens = cfg.segment_lens
-    if lens is not None and not isinstance(lens, (int, Sequence, ListConfig)):
-        raise ConfigError(f"segment_lens={lens} must be a list of 2*cp lengths (or one length for every segment)")
-    cp = int(cfg.cp) if cfg.cp is not None else DEFAULT_CP
-    if isinstance(lens, int):
-        lens = [lens] * (2 * cp)
-    return PrefillCase(layer=layer, model=model, cp=cp, seed=int(cfg.seed), cp_layout=str(cfg.cp_layout),
-                       prefix=int(cfg.prefix), segment_lens=None if lens is None else tuple(int(n) for n in lens),
-                       scope=scope)
-
-
-def _moe_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> MoECase:
-    """The case of the MoE layer from its keys (`layers.contract.case.EPKeys`): its group is the
-    EP group with 128 tokens per rank. The routing keys do not apply under scope=collectives (its
-    routes are its own closed-form draw)."""
-    routing = {"layer_id": cfg.layer_id, "balanced_routing": cfg.balanced_routing} if scope != "full" else {}
-    for k, value in routing.items():
-        if value:
-            raise ConfigError(f"{k}={value} does not apply to layer={layer} scope={scope} (it routes by its own "
-                              f"integer data): leave {k} out")
-    ep = int(cfg.ep)
-    if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
-        raise ConfigError(f"ep={ep} must be in [1, {MOE_MAX_EP}] (E = 16·ep experts; score routing sorts at most 256)")
-    return MoECase(model=model, ep=ep, seed=int(cfg.seed), layer_id=int(cfg.layer_id),
-                   num_tokens=None if cfg.num_tokens is None else int(cfg.num_tokens),
-                   balanced_routing=bool(cfg.balanced_routing), scope=scope)
-
-
-def _block_case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str) -> BlockCase:
-    """The case of the decoder layer from its keys (`layers.contract.case.BlockKeys`): the world
-    is `ep` ranks, attention in TP groups of `tp`, the kind named by `attention` or by
-    `layer_id`'s place in the layer schedule."""
-    for k in ("golden_data", "save_data"):
-        if cfg[k]:
-            raise ConfigError(f"{k}={cfg[k]}: layer=block has no snapshot layout yet (its halves' caches and the "
-                              "MoE's world in one folder); leave it out")
-    if int(cfg.dp) != 1:
-        raise ConfigError(f"dp={cfg.dp}: layer=block's world is ep ranks, already split into ep/tp attention groups; "
-                          "leave dp out")
-    attention, layer_id = resolve_attention(None if cfg.attention is None else str(cfg.attention),
-                                            None if cfg.layer_id is None else int(cfg.layer_id))
-    tp, ep = int(cfg.tp), int(cfg.ep)
-    if tp < 1 or not 1 <= ep <= MOE_MAX_EP or ep % tp:  # first: the world size depends on them
-        raise ConfigError(f"tp={tp}, ep={ep}: layer=block needs ep in [1, {MOE_MAX_EP}] and tp >= 1 dividing it "
-                          "(ep/tp attention TP groups)")
-    local_t = int(cfg.local_t) if cfg.local_t is not None else default_local_t(model, tp)
-    return BlockCase(model=model, attention=attention, tp=tp, ep=ep, local_t=local_t, seed=int(cfg.seed),
-                     layer_id=layer_id)
-
-
-# The case a layer's config group makes, by the case-key set it names (`layers.contract.case.CASE_KEYS`).
-CASE_OF_KEYS = {"tp": _attention_case, "ep": _moe_case, "block": _block_case}
+# The run config's own defaults (RunSchema), against which a phase's keys count as given.
+_RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSchema) if f.default is not dataclasses.MISSING}
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,
@@ -340,7 +261,7 @@ def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str]
             cfg = OmegaConf.merge(cfg, {"phase": phase})
     spec = run_spec(cfg, output_dir)
     if facts is not None:
-        case, read = replayed_case(spec.case, facts, given, _default_local_t)
+        case, read = replayed_case(spec.case, facts, given)
         spec = dataclasses.replace(spec, case=case, snapshot=facts_entry(facts, read), **_nodes(cfg, case, spec.dp))
         if spec.fault is not None:  # its rank against the snapshot's group, not the config's
             spec.fault.check(spec.world, _absent_phases(cfg, spec.golden, spec.bench))
@@ -386,7 +307,7 @@ def _nodes(cfg: DictConfig, case, dp: int) -> dict:
     # that already has a RANK is one rank of an external launcher (launcher.torchrun).
     keys = node_keys(cfg, slurm_step(os.environ), task_is_rank="RANK" in os.environ)
     nnodes, node_rank = int(keys["nnodes"]), int(keys["node_rank"])
-    size, key = case.group_size, _size_key(case)
+    size, key = case.group_size, case.group_key
     world = dp * size
     if nnodes < 1:
         raise ConfigError(f"nnodes={nnodes} must be >= 1")
@@ -404,15 +325,6 @@ def _nodes(cfg: DictConfig, case, dp: int) -> dict:
         raise ConfigError(f"master_port={port} must be a TCP port in [1, 65535] for a multi-node run")
     return {"nnodes": nnodes, "node_rank": node_rank, "master_addr": str(keys["master_addr"]),
             "master_port": int(port), "nproc_per_node": nproc}
-
-
-def _default_local_t(layer: str, scope: str, model: ModelConfig, tp: int) -> int:
-    """The rank capacity; the padding-guard scopes run one row below it (the reference's
-    default), so that the poisoned and sentinel rows they check exist."""
-    capacity = model.decode_tokens // tp
-    if not get_scope(layer, scope).whole_requests and capacity > 1:
-        return capacity - 1
-    return capacity
 
 
 def default_timeout_s(model: ModelConfig) -> float:

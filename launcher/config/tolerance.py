@@ -28,13 +28,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from layers.block.case import BlockCase, first_layer_of
-from layers.contract.case import Case, MoECase
 from layers.contract.checks import Check, tolerance_params
 from layers.contract.config import TINY, ConfigError
-from layers.registry import ATTENTION, LAYERS, SCOPES, get_scope, layer_of
+from layers.registry import LAYERS, PHASES, SCOPES, AnyCase, case_type, get_scope, layer_of
 
 from launcher.config.overrides import names
+from launcher.config.schema import layer_groups
 from launcher.config.verdict_words import DIAGNOSTIC
 
 PROFILE = "profile"
@@ -66,20 +65,21 @@ class Tolerances:
 @functools.cache
 def known_tensors() -> dict[str | None, dict[str, frozenset[str]]]:
     """Tensor -> its tolerance parameters (over every check of it), per layer and (key None)
-    over every layer, for every scope."""
+    over every layer, for every scope the layer runs (its case class's `examples`)."""
     known: dict[str | None, dict[str, set[str]]] = {None: {}}
+    groups = layer_groups()
     for layer in LAYERS:
         known[layer] = {}
-        if layer == "block":  # each attention kind's caches, and x_next
-            cases = [BlockCase(TINY, kind, 1, 1, TINY.moe_tokens, 0, first_layer_of(kind)) for kind in ATTENTION]
-        elif layer not in ATTENTION:  # the MoE layer: no focused scopes
-            cases = [MoECase(TINY, 1, 0)]
-        else:
-            cases = [Case(layer, TINY, 1, TINY.decode_tokens, 0, scope=scope) for scope in SCOPES]
-        for case in cases:
-            for check in get_scope(layer, case.scope).checks(case):
-                for key in (None, layer):
-                    known[key].setdefault(check.output, set()).update(tolerance_params(check))
+        kind = case_type(layer, PHASES[0], groups[layer]["key_set"])
+        for scope in SCOPES:
+            try:
+                runs = get_scope(layer, scope)
+            except ConfigError:  # a scope this layer does not run
+                continue
+            for case in kind.examples(layer, TINY, scope):
+                for check in runs.checks(case):
+                    for key in (None, layer):
+                        known[key].setdefault(check.output, set()).update(tolerance_params(check))
     return {k: {t: frozenset(p) for t, p in v.items()} for k, v in known.items()}
 
 
@@ -131,7 +131,7 @@ def _value(key: str, param: str, value):
     return value  # an int stays one: labels print max_diff_hd=2 as the reference does
 
 
-def read_tolerances(node: DictConfig | dict | None, case: Case | MoECase, explicit: frozenset[str]) -> Tolerances:
+def read_tolerances(node: DictConfig | dict | None, case: AnyCase, explicit: frozenset[str]) -> Tolerances:
     """The tolerances of `case`'s checks from the `tolerance` node; `explicit`: the keys the
     run's overrides name (their entries win)."""
     tree = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})

@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
 
-from layers.contract.case import Case, MoECase
 from layers.contract.config import PRESETS, ConfigError, ModelConfig
 from layers.contract.declaration import Declaration, Dim
-from layers.declared import declaration
-from layers.registry import PREFILL, get_scope, layer_names
+from layers.declared import declaration, phase_declarations
+from layers.registry import PHASES, AnyCase, case_type, get_scope, layer_names
 
 from launcher.config.replay import Fact, SnapshotFacts
+from launcher.config.schema import layer_groups
 from launcher.store import snapshot
 from launcher.store.snapshot import Entry
 from launcher.store.snapshot_layer import kind_of
@@ -50,8 +51,9 @@ def describe(directory: str) -> SnapshotFacts:
     names = {key.split("/", 1)[1] for key in entries}
     manifest = snapshot.read_manifest(directory) or {}
     manifest_path = os.path.join(directory, snapshot.MANIFEST)
-    if all(f"in/{n}" in entries for n in PREFILL_MARKS):
-        return _describe_prefill(directory, entries, manifest, manifest_path)
+    phase_kind = next((d for d in phase_declarations() if all(f"in/{n}" in entries for n in d.marks)), None)
+    if phase_kind is not None:
+        return _describe_prefill(directory, entries, manifest, manifest_path, phase_kind)
     kind = kind_of(names)
     facts: dict = {}
     if "layer" in manifest:
@@ -76,16 +78,21 @@ def describe(directory: str) -> SnapshotFacts:
     if manifest.get("seed") is not None:  # null: saved from a replay of a snapshot without one
         facts["seed"] = Fact(int(manifest["seed"]), manifest_path)
     local_t = facts.get("local_t")
-    if group_key == "ep":
-        case = MoECase(model=PRESETS["flash"], ep=tp, seed=0)
-    else:
-        case = Case(layer=layer_name, model=PRESETS["flash"], tp=tp, local_t=local_t.value if local_t else 0, seed=0,
-                    scope=facts["scope"].value if "scope" in facts else "full")
+    scope_name = facts["scope"].value if "scope" in facts else "full"
+
+    def case_for(model: ModelConfig) -> AnyCase:
+        """The snapshot's case under `model` (ConfigError: a layer without snapshots of its case)."""
+        group = layer_groups().get(layer_name)
+        kind = case_type(layer_name, PHASES[0], group["key_set"]) if group else None
+        if not hasattr(kind, "of_snapshot"):
+            raise ConfigError(f"layer={layer_name} has no snapshot layout")
+        return kind.of_snapshot(layer_name, model, tp, scope_name, local_t.value if local_t else None)
+
     if "model_fields" in manifest:
         model = _manifest_model(manifest["model_fields"], manifest_path)
         model_fields = {n: Fact(v, manifest_path) for n, v in model.fields().items() if n != "name"}
     else:  # no dims at all (an empty folder): the model is the config's
-        model = _select_model(case, derived, entries) if derived else None
+        model = _select_model(layer_name, case_for, derived, entries) if derived else None
         model_fields = dict(derived)
     positions = entries.get("in/position_ids")
     # Tokens that disagree with local_t: the shape check names the files (starts would not fit).
@@ -95,28 +102,18 @@ def describe(directory: str) -> SnapshotFacts:
     return SnapshotFacts(directory=directory, model=model, model_fields=model_fields, **facts)
 
 
-# A CP prefill snapshot (layers/prefill; the reference's prefill_cp_swa.py layout) holds these.
-PREFILL_MARKS = ("reverse_index", "overlay_active_lengths")
-# The model dims a CP prefill snapshot's shapes fix: (field, file, axis).
-PREFILL_FIELDS = (
-    ("hidden_size", "in/x_hc", -1), ("hc_mult", "in/x_hc", -2), ("num_attention_heads", "in/attn_sink", 0),
-    ("head_dim", "in/kv_cache", -1), ("q_lora_rank", "in/wq_a", -1), ("o_lora_rank", "in/wo_a", -2),
-    ("o_groups", "in/wo_a", 0), ("qk_rope_head_dim", "in/freqs_cos", -1),
-    ("max_position_embeddings", "in/freqs_cos", 0), ("sliding_window", "in/final_slot_mapping", 0),
-)
-
-
-def _describe_prefill(directory: str, entries: dict[str, Entry], manifest: dict, manifest_path: str) -> SnapshotFacts:
-    """A CP prefill snapshot's case: phase and cp from its files (cp: x_hc's leading axis), the
-    segments from segment_starts_t and overlay_active_lengths; layout, seed and model from our
-    manifest where it has them, else zigzag (the reference's), no seed, and the preset whose
-    dims the shapes fix."""
-    mark = entries["in/reverse_index"]
-    x_hc = entries["in/x_hc"]
-    facts: dict = {"layer": Fact(manifest.get("layer", next(iter(PREFILL))), manifest_path if "layer" in manifest else x_hc.path,
+def _describe_prefill(directory: str, entries: dict[str, Entry], manifest: dict, manifest_path: str,
+                      kind: Declaration) -> SnapshotFacts:
+    """A CP prefill snapshot's case (`kind`, its phase's declaration): phase and cp from its
+    files (cp: the leading axis), the segments from segment_starts_t and overlay_active_lengths;
+    layout, seed and model from our manifest where it has them, else zigzag (the reference's),
+    no seed, and the preset whose dims the shapes fix."""
+    mark = entries[f"in/{kind.marks[0]}"]
+    anchor = entries[kind.anchors[0]]
+    facts: dict = {"layer": Fact(manifest.get("layer", kind.name), manifest_path if "layer" in manifest else anchor.path,
                                  "" if "layer" in manifest else "the tensors it holds"),
-                   "phase": Fact("prefill", mark.path, "the tensors it holds"),
-                   "cp": Fact(x_hc.shape[0], x_hc.path, "its leading axis")}
+                   "phase": Fact(kind.phase, mark.path, "the tensors it holds"),
+                   kind.group_key: Fact(anchor.shape[0], anchor.path, "its leading axis")}
     starts_entry, active_entry = entries["in/segment_starts_t"], entries["in/overlay_active_lengths"]
     starts = snapshot.load(starts_entry.path).tolist()
     facts["prefix"] = Fact(int(starts[0]), starts_entry.path, "its first start")
@@ -131,8 +128,7 @@ def _describe_prefill(directory: str, entries: dict[str, Entry], manifest: dict,
         model = _manifest_model(manifest["model_fields"], manifest_path)
         fields = {n: Fact(v, manifest_path) for n, v in model.fields().items() if n != "name"}
     else:
-        fields = {n: Fact(entries[f].shape[a], entries[f].path, f"shape {entries[f].shape}")
-                  for n, f, a in PREFILL_FIELDS if f in entries}
+        fields = _derived_fields(entries, kind.dims, anchor.shape[0])
         dims = {n: f.value for n, f in fields.items()}
         model = next((p for p in PRESETS.values() if all(getattr(p, n) == v for n, v in dims.items())), None)
         if model is None:
@@ -214,9 +210,11 @@ def _manifest_model(fields: dict, source: str) -> ModelConfig:
         raise ConfigError(f"{source}: its model_fields do not describe a model of this tool ({e})") from e
 
 
-def _select_model(case: Case | MoECase, derived: dict[str, Fact], entries: dict[str, Entry]) -> ModelConfig:
-    """The first preset with the snapshot's dims whose every tensor fits it, else the closest
-    preset given those dims (named "snapshot")."""
+def _select_model(layer: str, case_for: Callable[[ModelConfig], AnyCase], derived: dict[str, Fact],
+                  entries: dict[str, Entry]) -> ModelConfig:
+    """The first preset with the snapshot's dims whose every tensor fits it (`case_for(model)`:
+    the snapshot's case under that model), else the closest preset given those dims (named
+    "snapshot")."""
     dims = {n: f.value for n, f in derived.items()}
     presets = [p for p in PRESETS.values() if all(getattr(p, n) == v for n, v in dims.items())]
     if not presets:
@@ -224,19 +222,18 @@ def _select_model(case: Case | MoECase, derived: dict[str, Fact], entries: dict[
         try:
             presets = [base.replace(name="snapshot", **dims)]
         except ConfigError as e:
-            raise ConfigError(f"{case.layer} snapshot: its tensor shapes give no valid model ({e})") from e
-    return next((m for m in presets if _fits(dataclasses.replace(case, model=m), entries)), presets[0])
+            raise ConfigError(f"{layer} snapshot: its tensor shapes give no valid model ({e})") from e
+    return next((m for m in presets if _fits(case_for, m, entries)), presets[0])
 
 
-def _fits(case: Case | MoECase, entries: dict[str, Entry]) -> bool:
-    """Whether every file present has the shape and dtype `case` gives it."""
+def _fits(case_for: Callable[[ModelConfig], AnyCase], model: ModelConfig, entries: dict[str, Entry]) -> bool:
+    """Whether every file present has the shape and dtype the snapshot's case under `model` gives it."""
     positions = entries.get("in/position_ids")
     try:
+        case = case_for(model)
         if positions is not None:
             starts = _starts(positions, None, case.model.decode_seq)
             case = dataclasses.replace(case, start_pos=tuple(s for rank in starts for s in rank))
-        if isinstance(case, Case) and not case.local_t:
-            case = dataclasses.replace(case, local_t=case.capacity)
         specs = get_scope(case.layer, case.scope).tensor_specs(case)
     except (ConfigError, ValueError, IndexError, ZeroDivisionError):
         return False

@@ -16,7 +16,9 @@ also tells the MoE whether it routes by the hash table (layer_id < num_hash_laye
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ..contract.case import Case, MoECase, group_seed
 from ..contract.config import MOE_MAX_EP, ConfigError, ModelConfig
@@ -64,6 +66,9 @@ def resolve_attention(attention: str | None, layer_id: int | None) -> tuple[str,
 class BlockCase:
     """The decoder layer on `ep` ranks: `attention` in TP groups of `tp`, then the MoE over all."""
 
+    group_key: ClassVar[str] = "ep"  # the world, where the MoE runs
+    snapshot_keys: ClassVar[tuple[str, ...]] = ()  # no snapshot layout yet (`from_config` refuses one)
+
     model: ModelConfig
     attention: str
     tp: int
@@ -74,6 +79,35 @@ class BlockCase:
     layer: str = "block"
     scope: str = "full"
     start_pos = None  # the attention half's canonical start set
+
+    @classmethod
+    def from_config(cls, keys: Mapping[str, Any], model: ModelConfig, layer: str, scope: str,
+                    whole_requests: bool = True) -> "BlockCase":
+        """The case of the decoder layer from its config keys (`layers.contract.case.BlockKeys`)
+        and the run's: the world is `ep` ranks, attention in TP groups of `tp`, the kind named by
+        `attention` or by `layer_id`'s place in the layer schedule. One block per launch, and no
+        snapshot of it yet: the run keys golden_data, save_data and dp are refused."""
+        for k in ("golden_data", "save_data"):
+            if keys[k]:
+                raise ConfigError(f"{k}={keys[k]}: layer={layer} has no snapshot layout yet (its halves' caches and "
+                                  "the MoE's world in one folder); leave it out")
+        if int(keys["dp"]) != 1:
+            raise ConfigError(f"dp={keys['dp']}: layer={layer}'s world is ep ranks, already split into ep/tp "
+                              "attention groups; leave dp out")
+        attention, layer_id = resolve_attention(None if keys["attention"] is None else str(keys["attention"]),
+                                                None if keys["layer_id"] is None else int(keys["layer_id"]))
+        tp, ep = int(keys["tp"]), int(keys["ep"])
+        if tp < 1 or not 1 <= ep <= MOE_MAX_EP or ep % tp:  # first: the world size depends on them
+            raise ConfigError(f"tp={tp}, ep={ep}: layer={layer} needs ep in [1, {MOE_MAX_EP}] and tp >= 1 dividing "
+                              "it (ep/tp attention TP groups)")
+        local_t = int(keys["local_t"]) if keys["local_t"] is not None else default_local_t(model, tp)
+        return cls(model=model, attention=attention, tp=tp, ep=ep, local_t=local_t, seed=int(keys["seed"]),
+                   layer_id=layer_id)
+
+    @classmethod
+    def examples(cls, layer: str, model: ModelConfig, scope: str) -> tuple["BlockCase", ...]:
+        """One case per attention kind: together they make every check of the block."""
+        return tuple(cls(model, kind, 1, 1, model.moe_tokens, 0, first_layer_of(kind)) for kind in ATTENTION_KINDS)
 
     @property
     def group_size(self) -> int:

@@ -2,9 +2,9 @@
 
 One rank's step walks one stage list (`layers.block.stages`): its attention layer's own stages
 on its TP group's context, the hand-off (the rank's attention output rows become its first MoE
-tokens), then the MoE layer's own stages on the world's context. Each half is reached through
-the registry (`layers.registry.get_layer`) and its `StagedLayer` API, so both keep one copy of
-their math; a `run_stage` passed in (`layers.tp.TorchTP`) sees every stage of either half with
+tokens), then the MoE layer's own stages on the world's context. Each half is the layer package's own
+`LAYER` (`layers.block.stages.HALVES`) reached through its `StagedLayer` API, so both keep one
+copy of their math; a `run_stage` passed in (`layers.tp.TorchTP`) sees every stage of either half with
 that half's context (`ctx.case.layer` names the half).
 
 Bisect and the stage benchmark walk the same list, each stage named by its half. The golden

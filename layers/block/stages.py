@@ -24,6 +24,10 @@ import torch
 from ..contract.context import RankContext
 from ..contract.stage import Stage, Values
 from ..contract.staged import RunStage, StagedLayer, default_run_stage, exact, judged
+from ..csa import layer as csa
+from ..hca import layer as hca
+from ..moe import layer as moe
+from ..swa import layer as swa
 from .case import BlockCase
 
 # The MoE fixture's own x_hc, renamed: the block's x_hc is the attention's input. Its rows
@@ -32,13 +36,13 @@ MOE_RESIDUAL = "ffn_x_hc"
 ATTENTION_OUTPUT = "x_out"
 
 
-def half(name: str) -> StagedLayer:
-    """A half of the block by its registry name (imported here: the registry lists the block)."""
-    from ..registry import get_layer
+# The block's halves by name: each attention kind, and the MoE.
+HALVES: dict[str, StagedLayer] = {m.LAYER.name: m.LAYER for m in (swa, csa, hca, moe)}
 
-    layer = get_layer(name)
-    assert isinstance(layer, StagedLayer), name
-    return layer
+
+def half(name: str) -> StagedLayer:
+    """A half of the block by its layer name."""
+    return HALVES[name]
 
 
 def hand_off(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from .config import MOE_MAX_EP, ConfigError, ModelConfig, round_up
 
@@ -81,8 +82,28 @@ def key_set_columns(present: set[frozenset[str]]) -> tuple[list[str], list[str],
 TOKEN_TILE = 8
 
 
+def _start_pos(value: Any) -> int | tuple[int, ...] | None:
+    """`start_pos` as the config gives it: null, an integer, or a non-empty list of integers."""
+    if value is None:
+        return None
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        items = list(value)
+        if not items or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+            raise ConfigError(f"start_pos={list(items)} must be an integer or a non-empty list of integers")
+        return tuple(items)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"start_pos={value!r} must be an integer or a list of integers")
+
+
 @dataclass(frozen=True)
 class Case:
+    # The case key that sizes the launch's group (named in the launcher's messages).
+    group_key: ClassVar[str] = "tp"
+    # The keys a snapshot of the layer fixes (`launcher.config.replay`): local_t and start_pos
+    # are read off its files where they say them, else the layer's defaults.
+    snapshot_keys: ClassVar[tuple[str, ...]] = ("layer", "scope", "tp", "local_t", "start_pos")
+
     layer: str
     model: ModelConfig
     tp: int
@@ -95,6 +116,37 @@ class Case:
     start_pos: int | tuple[int, ...] | None = None
     # What the run validates: the whole layer, or one of the focused scopes (layers.attention.scopes).
     scope: str = "full"
+
+    @classmethod
+    def from_config(cls, keys: Mapping[str, Any], model: ModelConfig, layer: str, scope: str,
+                    whole_requests: bool = True) -> "Case":
+        """The case of a TP layer from its config keys (`TPKeys`) and the run's seed;
+        `whole_requests`: the layer's or scope's (its default local_t)."""
+        tp = int(keys["tp"])
+        if tp < 1:
+            raise ConfigError(f"tp={tp} must be >= 1")
+        local_t = keys["local_t"] if keys["local_t"] is not None else cls.default_local_t(model, tp, whole_requests)
+        return cls(layer=layer, model=model, tp=tp, local_t=int(local_t), seed=int(keys["seed"]),
+                   start_pos=_start_pos(keys["start_pos"]), scope=scope)
+
+    @staticmethod
+    def default_local_t(model: ModelConfig, tp: int, whole_requests: bool = True) -> int:
+        """The rank capacity; a padding-guard scope (not `whole_requests`) runs one row below it
+        (the reference's default), so that the poisoned and sentinel rows it checks exist."""
+        capacity = model.decode_tokens // tp
+        return capacity - 1 if not whole_requests and capacity > 1 else capacity
+
+    @classmethod
+    def of_snapshot(cls, layer: str, model: ModelConfig, group: int, scope: str, local_t: int | None) -> "Case":
+        """The case a snapshot's files give (group size, tokens where they say them: else the
+        capacity), every other key at its default: what its shapes are checked against."""
+        return cls(layer=layer, model=model, tp=group, local_t=local_t or model.decode_tokens // group, seed=0,
+                   scope=scope)
+
+    @classmethod
+    def examples(cls, layer: str, model: ModelConfig, scope: str) -> tuple["Case", ...]:
+        """Cases that make every check `layer` runs under `scope` (its tolerance keys)."""
+        return (cls(layer, model, 1, model.decode_tokens, 0, scope=scope),)
 
     @property
     def seq(self) -> int:
@@ -214,6 +266,9 @@ class MoECase:
     exact-balance mode (§6). T, L, E and RECV_MAX are derived from the model and `ep`.
     """
 
+    group_key: ClassVar[str] = "ep"
+    snapshot_keys: ClassVar[tuple[str, ...]] = ("ep", "layer_id", "num_tokens")
+
     model: ModelConfig
     ep: int
     seed: int | None  # None: as Case.seed
@@ -222,6 +277,34 @@ class MoECase:
     balanced_routing: bool = False
     layer: str = "moe"
     scope: str = "full"  # or "collectives": the two all-to-alls alone (layers.moe.collectives)
+
+    @classmethod
+    def from_config(cls, keys: Mapping[str, Any], model: ModelConfig, layer: str, scope: str,
+                    whole_requests: bool = True) -> "MoECase":
+        """The case of the MoE layer from its config keys (`EPKeys`): its group is the EP group
+        with 128 tokens per rank. The routing keys do not apply under scope=collectives (its
+        routes are its own closed-form draw)."""
+        routing = {"layer_id": keys["layer_id"], "balanced_routing": keys["balanced_routing"]} if scope != "full" else {}
+        for k, value in routing.items():
+            if value:
+                raise ConfigError(f"{k}={value} does not apply to layer={layer} scope={scope} (it routes by its own "
+                                  f"integer data): leave {k} out")
+        ep = int(keys["ep"])
+        if not 1 <= ep <= MOE_MAX_EP:  # first: the world size depends on it
+            raise ConfigError(f"ep={ep} must be in [1, {MOE_MAX_EP}] (E = 16·ep experts; score routing sorts at most 256)")
+        return cls(model=model, ep=ep, seed=int(keys["seed"]), layer_id=int(keys["layer_id"]),
+                   num_tokens=None if keys["num_tokens"] is None else int(keys["num_tokens"]),
+                   balanced_routing=bool(keys["balanced_routing"]), scope=scope)
+
+    @classmethod
+    def of_snapshot(cls, layer: str, model: ModelConfig, group: int, scope: str, local_t: int | None) -> "MoECase":
+        """The case a snapshot's leading axis gives, every other key at its default."""
+        return cls(model=model, ep=group, seed=0)
+
+    @classmethod
+    def examples(cls, layer: str, model: ModelConfig, scope: str) -> tuple["MoECase", ...]:
+        """Cases that make every check the MoE runs under `scope` (its tolerance keys)."""
+        return (cls(model, 1, 0, scope=scope),)
 
     # -- what every case tells the launcher -------------------------------------------------------
     @property

@@ -40,7 +40,9 @@ class Declaration:
     `scalars`: case keys each stored as a 0-dim int32 file `in/<key>.pt`; `case_dims`: where
     the tensor shapes fix those when the file is missing. `dims`: the model fields its tensor
     shapes fix, in dependency order. `scope`: a focused scope of the attention
-    layers (no layer of its own), not a layer."""
+    layers (no layer of its own), not a layer. `phase`: a snapshot of that phase (not decode),
+    recognised before every decode kind when it holds every one of its marks; `name` is then
+    the layer such a snapshot runs when its manifest names none."""
 
     name: str
     marks: tuple[str, ...]
@@ -51,6 +53,7 @@ class Declaration:
     case_dims: tuple[Dim, ...] = ()
     shadows: tuple[str, ...] = ()
     scope: bool = False
+    phase: str | None = None
 
 
 def in_order(declarations: list[Declaration]) -> tuple[Declaration, ...]:

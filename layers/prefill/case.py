@@ -8,7 +8,9 @@ them (`tables.owner_segments`); a segment holds at most `MAX_SEGMENT_TILES` tile
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ..contract.case import group_seed
 from ..contract.config import ConfigError, ModelConfig
@@ -20,10 +22,17 @@ MAX_SEGMENT_TILES = 2
 # The reference's prefill deployment point: 128-row pages, 128 pages of raw KV per rank.
 PREFILL_BLOCK_ROWS = 128
 PREFILL_ORI_BLOCKS = 128
+DEFAULT_CP = 2  # the CP size when `cp` is not given (the reference's default)
 
 
 @dataclass(frozen=True)
 class PrefillCase:
+    group_key: ClassVar[str] = "cp"
+    # The run config's keys of the phase (top level, beside the layer's group): refused in a
+    # run of another phase, and the only case keys a prefill run takes.
+    config_keys: ClassVar[tuple[str, ...]] = ("cp", "cp_layout", "prefix", "segment_lens")
+    snapshot_keys: ClassVar[tuple[str, ...]] = ("layer", "cp", "cp_layout", "prefix", "segment_lens")
+
     layer: str
     model: ModelConfig
     cp: int
@@ -34,6 +43,20 @@ class PrefillCase:
     segment_lens: tuple[int, ...] | None = None
     scope: str = "full"
     phase = "prefill"  # not a field: what the registry looks the layer up by
+
+    @classmethod
+    def from_config(cls, keys: Mapping[str, Any], model: ModelConfig, layer: str, scope: str,
+                    whole_requests: bool = True) -> "PrefillCase":
+        """The case of a context-parallel prefill from the phase's config keys (`config_keys`)."""
+        lens = keys["segment_lens"]
+        if lens is not None and not isinstance(lens, (int, Sequence)):
+            raise ConfigError(f"segment_lens={lens} must be a list of 2*cp lengths (or one length for every segment)")
+        cp = int(keys["cp"]) if keys["cp"] is not None else DEFAULT_CP
+        if isinstance(lens, int):
+            lens = [lens] * (2 * cp)
+        return cls(layer=layer, model=model, cp=cp, seed=int(keys["seed"]), cp_layout=str(keys["cp_layout"]),
+                   prefix=int(keys["prefix"]), segment_lens=None if lens is None else tuple(int(n) for n in lens),
+                   scope=scope)
 
     @property
     def local_t(self) -> int:
@@ -136,4 +159,4 @@ class PrefillCase:
         return notes
 
 
-__all__ = ["LAYOUTS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]
+__all__ = ["DEFAULT_CP", "LAYOUTS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]

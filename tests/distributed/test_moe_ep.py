@@ -34,7 +34,7 @@ SEED = 20260819
 UNUSED = 16 + 5
 
 
-# -- deliberate defects: the stage overrides of tests/defects.py, on the ranks named -----------------
+# -- deliberate defects: the stage overrides of tests/defects/, on the ranks named ------------------
 DEFECTS = {
     "wrong_rank": defects.MoeRoutesToTheWrongRank,
     "unswapped_combine": defects.MoeCombineReusesDispatchSplits,

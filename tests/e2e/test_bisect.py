@@ -1,7 +1,7 @@
 """Bisect (launcher.run.bisect, layers.stages) on real gloo ranks: each stage's defect is found there.
 
 A defect is the default implementation with one stage replaced by name (the pattern of
-tests/defects.py), on one rank where the stage is rank-local, so the report must name both
+tests/defects/), on one rank where the stage is rank-local, so the report must name both
 the stage and the rank. Implementations that are not stage-based take part through the
 intermediates they return. The observed stages must be the layer's forward bit for bit, and
 the golden chain the layer's golden at tp = 1.

@@ -22,7 +22,7 @@ from .. import defects
 
 SWA = dict(layer="swa", tp=2, model="tiny")
 SWA_ARGS = ["layer=swa", "tp=2", "model=tiny"]
-PATCH = "layers.components.qkv.rms_norm was replaced by tests.defects.fast_rms_norm"
+PATCH = "layers.components.qkv.rms_norm was replaced by tests.defects.norm_patches.fast_rms_norm"
 # Patches on import: only ever named as the impl of a run in processes of its own, never imported here.
 ON_IMPORT = "tests.kernel_patch.FastNormTP"
 

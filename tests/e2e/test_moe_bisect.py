@@ -1,5 +1,5 @@
 """Bisect of the MoE layer (`layer=moe bisect=true`) on real ranks: each defect of
-tests/defects.py is located at its stage and rank, with moe.md §13.5's masks.
+tests/defects/ is located at its stage and rank, with moe.md §13.5's masks.
 
 The dispatch and combine are judged from every rank's own inputs by the spec's replay
 (`layers.moe.layer.dispatch_reference`, `combine_reference`), never by the collectives under test.

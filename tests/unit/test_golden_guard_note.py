@@ -31,7 +31,7 @@ def _add_half(*args):
 
 def test_a_replaced_harness_function_is_named(guard, monkeypatch):
     monkeypatch.setattr(layers.components.qkv, "rms_norm", defects.fast_rms_norm)
-    assert golden_guard.changes() == ["layers.components.qkv.rms_norm was replaced by tests.defects.fast_rms_norm"]
+    assert golden_guard.changes() == ["layers.components.qkv.rms_norm was replaced by tests.defects.norm_patches.fast_rms_norm"]
 
 
 def test_swapped_code_is_named_once(guard, monkeypatch):

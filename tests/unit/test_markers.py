@@ -22,12 +22,12 @@ class _Item:
 def test_tests_that_launch_processes_are_slow_and_the_rest_is_not():
     tests = Path(conftest.__file__).parent
     items = {name: _Item(tests / name) for name in
-             ("e2e/test_cli.py", "distributed/test_scopes.py", "unit/test_comparators.py", "unit/test_draw.py")}
+             ("e2e/test_cli.py", "distributed/test_scopes.py", "unit/test_comparators_pool.py", "unit/test_draw.py")}
     items["one process"] = _Item(tests / "distributed/test_scopes.py", "one_process")
     conftest.pytest_collection_modifyitems(list(items.values()))
     assert {name: item.marks for name, item in items.items()} == {
         "e2e/test_cli.py": ["slow"], "distributed/test_scopes.py": ["slow"],
-        "unit/test_comparators.py": [], "unit/test_draw.py": [], "one process": ["one_process"]}
+        "unit/test_comparators_pool.py": [], "unit/test_draw.py": [], "one process": ["one_process"]}
 
 
 def test_the_markers_are_registered(pytestconfig):

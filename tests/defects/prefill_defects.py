@@ -1,0 +1,84 @@
+"""Defects of the context-parallel prefill (layers/prefill): the CP protocol and exchanges."""
+
+from __future__ import annotations
+
+import torch
+from .stage_defect import StageDefect
+
+
+# -- context-parallel prefill (layers/prefill): one defect of the CP protocol each ---------------
+class PrefillMissingPredecessorTail(StageDefect):
+    """Rank 1 never receives rank 0's tails: zeros where rank 0's segments' tails belong."""
+
+    stages = ("tail_exchange",)
+
+    def defective(self, stage, ctx, v):
+        out = stage.run(ctx, v)["logical_tails_out"].clone()
+        if ctx.rank == 1:
+            from layers.prefill import tables  # this section's own: the file above only grows at its end
+
+            owners = torch.tensor([tables.owner(ctx.case, s)[0] for s in range(ctx.case.num_segments)])
+            out[owners == 0] = 0
+        return {"logical_tails_out": out}
+
+
+class PrefillLocalRopePositions(StageDefect):
+    """RoPE at the rank-local row index instead of the token's global position."""
+
+    stages = ("project",)
+
+    def defective(self, stage, ctx, v):
+        local = torch.arange(v["query_position_ids"].numel(), dtype=torch.int32).reshape(v["query_position_ids"].shape)
+        return stage.run(ctx, {**v, "query_position_ids": local})
+
+
+class PrefillFinalWindowOnOwnerOnly(StageDefect):
+    """Only the rank that owns the last segment commits the final window into its kv_cache."""
+
+    stages = ("final_window_commit",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import tables
+
+        if tables.owner(ctx.case, ctx.case.num_segments - 1)[0] == ctx.rank:
+            return stage.run(ctx, v)
+        return {"kv_cache": v["kv_cache"]}
+
+
+class PrefillDroppedKeys(StageDefect):
+    """The reference's key tables: only the immediate predecessor's tail, so a segment shorter
+    than the window drops the keys of the segments before it."""
+
+    stages = ("key_table",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import tables
+
+        rows = tables.key_rows(v["query_position_ids"], v["overlay_active_lengths"], v["predecessor_segments"],
+                               v["segment_starts_t"], ctx.case.window, v["kv_cache"][..., 0, 0].numel(),
+                               predecessors="first")
+        return {"swa_key_rows": rows}
+
+
+# -- context-parallel prefill: the CP exchanges of each layout ------------------------------------
+class PrefillAllGatherRingOrder(StageDefect):
+    """The contiguous layout's KV all-gather left in ring arrival order: rank r's block i holds
+    rank (i + r) mod cp's rows, so every rank but 0 reads its keys from the wrong ranks."""
+
+    stages = ("kv_allgather",)
+
+    def defective(self, stage, ctx, v):
+        hd = v["kv"].shape[-1]
+        blocks = stage.run(ctx, v)["gathered_kv"].reshape(ctx.case.cp, -1, hd)
+        return {"gathered_kv": torch.roll(blocks, -ctx.rank, dims=0).reshape(-1, hd)}
+
+
+class PrefillTailsInRankMajorOrder(StageDefect):
+    """The zigzag tail exchange never applies reverse_index: the tails stay in rank-major order
+    (block 2·rank + part), which is the logical order only for the contiguous layout."""
+
+    stages = ("tail_exchange",)
+
+    def defective(self, stage, ctx, v):
+        index = v["reverse_index"]
+        return stage.run(ctx, {**v, "reverse_index": torch.arange(index.shape[-1], dtype=index.dtype).expand_as(index)})
