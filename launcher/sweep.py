@@ -38,7 +38,6 @@ from launcher.config.sweep_jobs import expand_jobs
 from launcher.report.console import case_label, table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
 from launcher.report.sweep_summary import SWEEP_FILE, collect_rows, job_entry, write_summary
-from launcher.run.preflight import preflight
 from launcher.store.snapshot_layer import with_snapshot_layer
 
 PASSED = ("PASS", "UNCHECKED")
@@ -73,7 +72,10 @@ def planned(args: list[str]) -> list[list[str]]:
 
 
 def _check(overrides: list[str]) -> tuple[str, str]:
-    """A job's case as the preflight reads it, or why it would be refused."""
+    """A job's case as the preflight reads it, or why it would be refused. The preflight reads
+    the layers' rules, which import torch: imported here, for `list` alone."""
+    from launcher.run.preflight import preflight
+
     try:
         spec = preflight(_compose(overrides), output_dir=os.devnull)
     except (ConfigError, OmegaConfBaseException, Exception) as e:  # Hydra's refusals are plain exceptions

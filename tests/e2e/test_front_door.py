@@ -74,6 +74,22 @@ def test_compare_reads_results_without_importing_torch(tmp_path):
     assert not _imported(p.stderr) & set(HEAVY), sorted(_imported(p.stderr) & set(HEAVY))
 
 
+@pytest.mark.parametrize("args, code, said", [
+    (["--help"], 0, "usage: python -m launcher.sweep"),
+    (["rerun", "SWEEP", "--list"], 0, "job 1 FAIL: layer=csa tp=2"),
+    (["rerun", "nowhere"], EXIT_ERROR, "is not a sweep folder"),
+], ids=["help", "rerun-list", "rerun-refused"])
+def test_sweep_housekeeping_that_runs_no_job_never_imports_torch(tmp_path, args, code, said):
+    # Only `list` checks jobs against the layers' rules; help and a rerun's own work read files.
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "summary.json").write_text('{"jobs": [{"job": 0, "verdict": "PASS", "overrides": ["layer=swa"]},'
+                                        ' {"job": 1, "verdict": "FAIL", "overrides": ["layer=csa", "tp=2"]}]}')
+    p = _launcher([str(sweep) if a == "SWEEP" else a for a in args], tmp_path, module="launcher.sweep")
+    assert p.returncode == code and said in p.stdout + p.stderr, p.stdout + "\n".join(_said(p.stderr))
+    assert not _imported(p.stderr) & set(HEAVY), sorted(_imported(p.stderr) & set(HEAVY))
+
+
 def test_help_is_the_page_hydra_prints(tmp_path):
     # --help composes once and prints the template; with --resolve Hydra prints it itself.
     ours, hydras = _launcher(["--help"], tmp_path), _launcher(["--help", "--resolve"], tmp_path)
