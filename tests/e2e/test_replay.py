@@ -79,16 +79,19 @@ def test_reference_snapshot_replays_from_golden_data_alone(tp_run, layer):
     assert not (src / "manifest.json").exists()  # replay is read-only
 
 
-def test_a_perturbed_reference_snapshot_fails(tp_run, tmp_path):
-    """The shipped reference data can fail a run: one token of the reference's x_out moved."""
+@pytest.mark.parametrize("layer", [*LAYERS, "moe"])
+def test_a_perturbed_reference_snapshot_fails(tp_run, tmp_path, layer):
+    """The shipped reference data can fail a run: 16 tokens of the reference's output moved on
+    every rank (more than the MoE comparator's 5% budget; one token fails the attention's)."""
     snap = tmp_path / "snap"
-    shutil.copytree(reference_snapshot("swa"), snap)
-    x_out = torch.load(snap / "out" / "x_out.pt", weights_only=True)
-    x_out[1, 5] += 0.5
-    torch.save(x_out, snap / "out" / "x_out.pt")
+    shutil.copytree(reference_snapshot(layer), snap)
+    name = "x_next" if layer == "moe" else "x_out"
+    out = torch.load(snap / "out" / f"{name}.pt", weights_only=True)
+    out[:, :16] += 0.5
+    torch.save(out, snap / "out" / f"{name}.pt")
     run = tp_run(golden_data=str(snap))
-    x_out_verdict = next(v for v in run.result["verdicts"] if v["tensor"] == "x_out")
-    assert not run.passed and x_out_verdict["passed"] is False, run
+    verdict = next(v for v in run.result["verdicts"] if v["tensor"] == name)
+    assert not run.passed and verdict["passed"] is False, run
 
 
 def _shown_seeds(run) -> tuple[object, str, str]:
