@@ -56,8 +56,9 @@ def test_golden_reproduces_the_reference_snapshot(two_threads):
         got = swa.golden_decode_swa_tp1(MINI, tensors)
         diff = (got["x_out"] - out["x_out"][r]).abs().max().item()
         assert torch.equal(got["kv_cache"], out["kv_cache"][r]), f"rank {r} kv_cache"
-        # x_out is a rounding off at model=mini's dims (bitwise at the former 16 heads): a
-        # slip in the layer's own math moves it by far more.
+        # x_out is a rounding off at model=mini's dims (bitwise at the former 16 heads): the
+        # golden sums wo_a's K in blocks of 128, the reference's einsum at these shapes in one
+        # pass (tests/unit/test_csa_golden.py); a slip in the layer's own math moves it by far more.
         assert diff < 1e-4, f"rank {r} x_out: max |diff| {diff:.3g}"
 
 
