@@ -75,7 +75,7 @@ class _StubModule(types.ModuleType):
 
 
 # The pypto modules the reference's model files import at module level.
-PYPTO_MODULES = ("pypto", "pypto.language", "pypto.language.distributed")
+PYPTO_MODULES = ("pypto", "pypto.language", "pypto.language.distributed", "pypto.ir", "pypto.ir.distributed_compiled_program")
 
 
 def stub_pypto() -> None:

@@ -25,7 +25,8 @@ _GOLDEN_CACHE = tempfile.TemporaryDirectory(prefix="dsv4-tests-golden-")
 os.environ["DSV4_TP_GOLDEN_CACHE"] = _GOLDEN_CACHE.name
 
 REPO = Path(__file__).resolve().parents[1]
-PEER = REPO.parent / "shared" / "peer"
+# Reference snapshots made by the reference itself and shipped here (tests/data/reference/README.md).
+REFERENCE_DATA = REPO / "tests" / "data" / "reference"
 
 # The plugin is registered by the installed package's entry point; from a bare checkout
 # (nothing installed) load it here instead.
@@ -47,11 +48,10 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-def peer_snapshot(name: str) -> Path:
-    path = PEER / name
-    if not path.is_dir():
-        pytest.skip(f"reference snapshot {path} is absent (it ships in ../shared, not in a user's clone)")
-    return path
+def reference_snapshot(layer: str) -> Path:
+    """The shipped reference snapshot of a layer: swa, csa, hca at tp=2, local_t=32, model=mini;
+    moe at ep=2, layer_id=4, num_tokens=96, model=tiny."""
+    return REFERENCE_DATA / ("moe-ep2-tiny" if layer == "moe" else f"{layer}-tp2-mini")
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ import torch
 from layers.components import hc
 from layers.components import moe as moe_math
 from layers.contract.case import MoECase
-from layers.contract.config import SMALL
+from layers.contract.config import TINY
 from layers.contract.context import RankContext
 from layers.distributed.golden_walk import walk_group
 from layers.moe import layer as moe
@@ -37,7 +37,7 @@ def load(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def snapshot_case(inp: dict[str, torch.Tensor]) -> MoECase:
-    return MoECase(SMALL, inp["x_hc"].shape[0], 5, layer_id=int(inp["layer_id"]), num_tokens=int(inp["num_tokens"]))
+    return MoECase(TINY, inp["x_hc"].shape[0], 5, layer_id=int(inp["layer_id"]), num_tokens=int(inp["num_tokens"]))
 
 
 @dataclass

@@ -256,6 +256,35 @@ SMALL = FLASH.replace(
     moe_intermediate_size=256,
 )
 
+# The dims of the reference snapshots shipped in tests/data/reference (made by
+# scripts/reference_snapshots.py): the least the reference's O projection accepts (hidden 512,
+# o_lora 256, 256-wide output groups), two groups of four 64-wide heads over tp=2, pools of
+# 16-36 pages, a 1024-row RoPE table, the long-context start at 512 and a 16384-token ceiling
+# for HCA's state table.
+MINI = FLASH.replace(
+    name="mini",
+    hidden_size=512,
+    num_attention_heads=8,
+    head_dim=64,
+    qk_rope_head_dim=32,
+    q_lora_rank=128,
+    o_lora_rank=256,
+    o_groups=2,
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=128,
+    max_position_embeddings=1024,
+    decode_batch=32,
+    decode_start_pos=512,
+    kv_ori_block_num=20,
+    kv_cmp_block_num=16,
+    idx_cache_block_num=16,
+    hca_state_physical_blocks=16,
+    csa_state_physical_blocks=36,
+    csa_inner_state_physical_blocks=36,
+    long_context_max_seq_len=16384,
+)
+
 # A 2-core CPU preset that keeps every structural property of the four layers: eight output
 # groups of two heads (tp up to 8), the full 128-token window and 32-row pages, the ratio-4
 # and ratio-128 compressors with their state page sizes, the 8192 long-context start (block
@@ -280,7 +309,7 @@ TINY = FLASH.replace(
     moe_intermediate_size=128,
 )
 
-PRESETS: dict[str, ModelConfig] = {m.name: m for m in (FLASH, DEMO, PRO, SMALL, TINY)}
+PRESETS: dict[str, ModelConfig] = {m.name: m for m in (FLASH, DEMO, PRO, SMALL, TINY, MINI)}
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -291,4 +320,4 @@ def round_up(a: int, b: int) -> int:
     return ceil_div(a, b) * b
 
 
-__all__ = ["ConfigError", "ModelConfig", "PRESETS", "MOE_TOKENS", "MOE_LOCAL_EXPERTS", "MOE_MAX_EP", "FLASH", "DEMO", "PRO", "SMALL", "TINY", "ceil_div", "round_up"]
+__all__ = ["ConfigError", "ModelConfig", "PRESETS", "MOE_TOKENS", "MOE_LOCAL_EXPERTS", "MOE_MAX_EP", "FLASH", "DEMO", "PRO", "SMALL", "TINY", "MINI", "ceil_div", "round_up"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from .. import defects, moe_snapshot
-from ..conftest import peer_snapshot
+from ..conftest import reference_snapshot
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
@@ -36,8 +36,8 @@ def test_ep16_at_tiny_dims(tp_run):
 
 
 def test_the_reference_snapshot_replays_on_two_real_ranks(tp_run):
-    src = peer_snapshot("moe-ep2-small")
-    run = tp_run(layer="moe", ep=2, model="small", golden_data=str(src), recompute_golden=True)
+    src = reference_snapshot("moe")
+    run = tp_run(layer="moe", ep=2, model="tiny", golden_data=str(src), recompute_golden=True)
     assert run.passed, run
     assert run.result["recomputed_verdicts"][0]["figures"]["max_abs_diff"] == 0  # bit for bit, our golden
     # Against the snapshot: bit for bit where this CPU's GEMMs round as the snapshot's machine's

@@ -25,7 +25,7 @@ from launcher.store.snapshot_layer import with_snapshot_layer
 from layers.contract.config import ConfigError
 from layers.registry import get_layer
 
-from ..conftest import peer_snapshot, run_cli
+from ..conftest import reference_snapshot, run_cli
 
 LAYERS = ["swa", "csa", "hca"]
 
@@ -67,16 +67,31 @@ def saved(saved_once, tmp_path):
 # -- the case a snapshot holds -----------------------------------------------------------------
 @pytest.mark.parametrize("layer", LAYERS)
 def test_reference_snapshot_replays_from_golden_data_alone(tp_run, layer):
-    src = peer_snapshot(f"{layer}-tp2-64")
+    src = reference_snapshot(layer)
     run = tp_run(golden_data=str(src), recompute_golden=True)
     assert run.passed and "recomputed_verdicts" in run.result, run
     case = run.result["case"]
-    assert (case["layer"], case["model"], case["tp"], case["local_t"], case["start_pos"]) == (layer, "small", 2, 64, None)
+    assert (case["layer"], case["model"], case["tp"], case["local_t"], case["start_pos"]) == (layer, "mini", 2, 32, None)
     read = run.result["snapshot"]["read"]
     assert {"layer", "tp", "local_t", "start_pos", "model"} <= set(read)
     assert run.result["snapshot"]["tp"]["source"] == str(src / "in" / "x_hc.pt")
     assert f"snapshot {src}: layer={layer}" in run.report
     assert not (src / "manifest.json").exists()  # replay is read-only
+
+
+@pytest.mark.parametrize("layer", [*LAYERS, "moe"])
+def test_a_perturbed_reference_snapshot_fails(tp_run, tmp_path, layer):
+    """The shipped reference data can fail a run: 16 tokens of the reference's output moved on
+    every rank (more than the MoE comparator's 5% budget; one token fails the attention's)."""
+    snap = tmp_path / "snap"
+    shutil.copytree(reference_snapshot(layer), snap)
+    name = "x_next" if layer == "moe" else "x_out"
+    out = torch.load(snap / "out" / f"{name}.pt", weights_only=True)
+    out[:, :16] += 0.5
+    torch.save(out, snap / "out" / f"{name}.pt")
+    run = tp_run(golden_data=str(snap))
+    verdict = next(v for v in run.result["verdicts"] if v["tensor"] == name)
+    assert not run.passed and verdict["passed"] is False, run
 
 
 def _shown_seeds(run) -> tuple[object, str, str]:
@@ -86,11 +101,12 @@ def _shown_seeds(run) -> tuple[object, str, str]:
     return run.result["case"]["seed"], header, page
 
 
-@pytest.mark.parametrize("name", ["swa-tp2-64", "moe-ep2-small"])
-def test_a_reference_replay_claims_no_seed(tp_run, name):
+@pytest.mark.parametrize("layer", ["swa", "moe"])
+def test_a_reference_replay_claims_no_seed(tp_run, layer):
     """The reference records no seed of ours and gives every input: no seed played a part, so
     no report shows the config's (here a given one) as if it were the snapshot's."""
-    run = tp_run(golden_data=str(peer_snapshot(name)), seed=4242)
+    src = reference_snapshot(layer)
+    run = tp_run(golden_data=str(src), seed=4242)
     assert run.passed, run
     seed, header, page = _shown_seeds(run)
     assert seed is None and "seed" not in run.result["snapshot"]["read"]
@@ -102,13 +118,13 @@ def test_a_reference_replay_claims_no_seed(tp_run, name):
     assert match(replay, seeded)[0] == [] and len(match(replay, replay)[0]) == 1
     assert "seed=- " in render_comparison(compare(replay, replay, Thresholds()))
     # a sweep's job name (junit) of the same run, the seed it was given left out as unused
-    job = case_name(job_row(1, [f"golden_data={peer_snapshot(name)}", "seed=4242"], run.output_dir, run.result))
+    job = case_name(job_row(1, [f"golden_data={src}", "seed=4242"], run.output_dir, run.result))
     assert "seed=-" in job.split() and "4242" not in job, job
 
 
 def test_a_reference_replay_shares_no_golden_cache_identity_with_a_seeded_run():
-    replay = _preflight(f"golden_data={peer_snapshot('swa-tp2-64')}").case
-    seeded = _preflight("layer=swa", "model=small", "tp=2", "local_t=64").case
+    replay = _preflight(f"golden_data={reference_snapshot('swa')}").case
+    seeded = _preflight("layer=swa", "model=mini", "tp=2", "local_t=32").case
     assert dataclasses.replace(replay, seed=seeded.seed) == seeded  # the same dims
     assert golden_cache.identity(replay, 0, 2) != golden_cache.identity(seeded, 0, 2)
 
@@ -127,7 +143,7 @@ def test_our_snapshot_replay_shows_its_recorded_seed(tp_run, tmp_path):
 def test_a_resaved_reference_replay_still_claims_no_seed(tp_run, tmp_path):
     """A reference replay saved as our snapshot records a null seed, which its replay reads as none."""
     snap = tmp_path / "snap"
-    assert tp_run(golden_data=str(peer_snapshot("swa-tp2-64")), save_data=str(snap)).passed
+    assert tp_run(golden_data=str(reference_snapshot("swa")), save_data=str(snap)).passed
     assert json.loads((snap / "manifest.json").read_text())["seed"] is None
     run = tp_run(golden_data=str(snap))
     assert run.passed, run
@@ -136,9 +152,9 @@ def test_a_resaved_reference_replay_still_claims_no_seed(tp_run, tmp_path):
 
 
 def test_keys_that_agree_with_the_snapshot_are_accepted():
-    src = peer_snapshot("hca-tp2-64")
-    spec = _preflight(f"golden_data={src}", "layer=hca", "tp=2", "model=small", "local_t=64", "scope=full")
-    assert (spec.case.layer, spec.case.tp, spec.case.local_t, spec.case.model.name) == ("hca", 2, 64, "small")
+    src = reference_snapshot("hca")
+    spec = _preflight(f"golden_data={src}", "layer=hca", "tp=2", "model=mini", "local_t=32", "scope=full")
+    assert (spec.case.layer, spec.case.tp, spec.case.local_t, spec.case.model.name) == ("hca", 2, 32, "mini")
 
 
 @pytest.mark.parametrize(
@@ -146,20 +162,20 @@ def test_keys_that_agree_with_the_snapshot_are_accepted():
     [
         ("tp", "4", "tp=2", "in/x_hc.pt"),  # not a local_t message: the tp is named
         ("layer", "swa", "layer=hca", "in/cmp_kv.pt"),  # the reference names its layer by its tensors
-        ("local_t", "56", "local_t=64", "in/local_t.pt"),
+        ("local_t", "24", "local_t=32", "in/local_t.pt"),
         ("model", "tiny", "hidden_size=512", "in/x_hc.pt"),
-        ("model.q_lora_rank", "128", "q_lora_rank=256", "in/wq_a.pt"),
+        ("model.q_lora_rank", "256", "q_lora_rank=128", "in/wq_a.pt"),
         ("start_pos", "0", "start_pos=[[", "in/position_ids.pt"),
     ],
 )
 def test_a_key_that_contradicts_the_snapshot_names_key_values_and_file(key, given, held, file):
-    src = peer_snapshot("hca-tp2-64")
+    src = reference_snapshot("hca")
     message = _refused(f"golden_data={src}", f"{key}={given}")
     assert message.startswith(f"{key}={given} contradicts the snapshot: {src / file} holds ") and held in message, message
 
 
 def test_a_contradicting_key_is_refused_before_any_rank_starts(tmp_path):
-    src = peer_snapshot("swa-tp2-64")
+    src = reference_snapshot("swa")
     p = run_cli([f"golden_data={src}", "tp=4"], tmp_path, timeout=120)
     assert p.returncode == 2, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
@@ -198,11 +214,11 @@ def test_per_rank_starts_that_differ_replay_alone(tmp_path, tp_run):
 def test_the_moe_snapshot_replays_from_golden_data_alone(tp_run):
     """layer=moe from its expert tensors, ep from the leading axis, layer_id and num_tokens from
     their scalar files, the model from the shapes."""
-    src = peer_snapshot("moe-ep2-small")
+    src = reference_snapshot("moe")
     run = tp_run(golden_data=str(src), recompute_golden=True)
     assert run.passed and "recomputed_verdicts" in run.result, run
     case = run.result["case"]
-    assert (case["layer"], case["model"], case["ep"], case["layer_id"], case["num_tokens"]) == ("moe", "small", 2, 4, 96)
+    assert (case["layer"], case["model"], case["ep"], case["layer_id"], case["num_tokens"]) == ("moe", "tiny", 2, 4, 96)
     assert run.result["snapshot"]["ep"]["source"] == str(src / "in" / "x_hc.pt")
     assert {"layer", "ep", "layer_id", "num_tokens", "model"} <= set(run.result["snapshot"]["read"])
 
@@ -214,14 +230,14 @@ def test_the_moe_snapshot_replays_from_golden_data_alone(tp_run):
     ("layer", "swa", "layer=moe", "in/tid2eid.pt"),
 ])
 def test_a_key_that_contradicts_the_moe_snapshot_is_refused(key, given, held, file):
-    src = peer_snapshot("moe-ep2-small")
+    src = reference_snapshot("moe")
     message = _refused(f"golden_data={src}", f"{key}={given}")
     assert message.startswith(f"{key}={given} contradicts the snapshot: {src / file} holds {held}"), message
 
 
 def test_starts_must_agree_with_kv_seq_lens(tmp_path):
     snap = tmp_path / "snap"
-    shutil.copytree(peer_snapshot("hca-tp2-64"), snap)
+    shutil.copytree(reference_snapshot("hca"), snap)
     lens = torch.load(snap / "in" / "kv_seq_lens.pt", weights_only=True)
     lens[1, 3] += 1
     torch.save(lens, snap / "in" / "kv_seq_lens.pt")

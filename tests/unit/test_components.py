@@ -14,19 +14,18 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from layers.contract.config import FLASH, SMALL, TINY
+from layers.contract.config import FLASH, MINI, TINY
 from layers.components.hc import a2a3_cube_linear, hc_post, hc_pre
 from layers.components.numerics import bf16, int8_quant_per_row, quant_weight_int8
 from layers.components.qkv import qkv_proj_rope, rms_norm
 from layers.components.rope import apply_inverse_rope, apply_rope, inv_freq, precompute_freqs_cos_sin, rope_profile, rope_rows
 
-from ..conftest import PEER, REPO
+from ..conftest import REFERENCE_DATA, REPO, reference_snapshot
 
 
 # Real hc scale/base vectors (§3.6): layer-8 standalone and the SWA layer-0 values (whose comb
@@ -41,13 +40,6 @@ HC_SWA0 = (
     [3.9083, -2.0399, -2.2033, -2.017, -2.4443, -10.3158, -8.9943, -6.3581, 9.8577, -9.5177, -24.8724, -22.8929,
      -21.545, 0.7791, -3.386, 1.1948, -20.9605, -0.7702, 1.4218, -4.8994, 1.5177, -29.7663, -30.1413, -1.2413],
 )
-
-
-def _peer(name: str) -> Path:
-    path = PEER / name
-    if not path.is_dir():
-        pytest.skip(f"reference snapshot {path} is absent (it ships in ../shared, not in a user's clone)")
-    return path
 
 
 def gen(seed: int) -> torch.Generator:
@@ -295,21 +287,23 @@ def test_token_rows_equal_full_table_rows(ratio):
 def test_rope_rows_reproduce_snapshots():
     """The snapshots' token rows (SWA plain profile, HCA compressed + YaRN), the HCA
     compressed-block rows and the CSA full table, bit for bit."""
-    for name, ratio in (("swa-tp2-64", 0), ("hca-tp2-64", 128)):
-        snap = _peer(name)
+    for layer, ratio in (("swa", 0), ("hca", 128)):
+        snap = reference_snapshot(layer)
         load = lambda n, snap=snap: torch.load(snap / "in" / f"{n}.pt", weights_only=True)  # noqa: E731
         for r in range(2):
-            cos, sin = rope_rows(SMALL, load("position_ids")[r], ratio)
+            cos, sin = rope_rows(MINI, load("position_ids")[r], ratio)
             assert torch.equal(cos, load("freqs_cos")[r]) and torch.equal(sin, load("freqs_sin")[r])
-    snap = _peer("hca-tp2-64")
-    starts = torch.load(snap / "in" / "position_ids.pt", weights_only=True)[0].view(8, 8)[:, 0]
-    cos, sin = rope_rows(SMALL, starts - starts % 128, 128)
-    half = SMALL.qk_rope_head_dim // 2
-    assert torch.equal(cos[:, :half].float(), torch.load(snap / "in" / "cmp_freqs_cos.pt", weights_only=True)[0, :8])
-    assert torch.equal(sin[:, :half].float(), torch.load(snap / "in" / "cmp_freqs_sin.pt", weights_only=True)[0, :8])
-    snap = _peer("csa-tp2-64")
-    base, original = rope_profile(SMALL, 4)
-    cos, sin = precompute_freqs_cos_sin(64, 16384, original, base, SMALL.rope_factor, SMALL.beta_fast, SMALL.beta_slow)
+    snap = reference_snapshot("hca")
+    starts = torch.load(snap / "in" / "position_ids.pt", weights_only=True)[0].view(-1, MINI.decode_seq)[:, 0]
+    batch = starts.numel()
+    cos, sin = rope_rows(MINI, starts - starts % 128, 128)
+    half = MINI.qk_rope_head_dim // 2
+    assert torch.equal(cos[:, :half].float(), torch.load(snap / "in" / "cmp_freqs_cos.pt", weights_only=True)[0, :batch])
+    assert torch.equal(sin[:, :half].float(), torch.load(snap / "in" / "cmp_freqs_sin.pt", weights_only=True)[0, :batch])
+    snap = reference_snapshot("csa")
+    base, original = rope_profile(MINI, 4)
+    cos, sin = precompute_freqs_cos_sin(MINI.qk_rope_head_dim, MINI.max_position_embeddings, original, base, MINI.rope_factor,
+                                        MINI.beta_fast, MINI.beta_slow)
     assert torch.equal(cos, torch.load(snap / "in" / "freqs_cos.pt", weights_only=True)[0])
     assert torch.equal(sin, torch.load(snap / "in" / "freqs_sin.pt", weights_only=True)[0])
 
@@ -456,13 +450,13 @@ def test_qkv_proj_rope_matches_naive():
 
 
 def _swa_rank0():
-    snap = _peer("swa-tp2-64")
+    snap = reference_snapshot("swa")
     return {p.stem: torch.load(p, weights_only=True)[0] for p in (snap / "in").glob("*.pt") if p.stem != "local_t"}
 
 
 def test_chain_on_swa_snapshot_shapes():
     x = _swa_rank0()
-    m = SMALL
+    m = MINI
     t = x["x_hc"].shape[0]
     x_mixed, post, comb = hc_pre(x["x_hc"], x["hc_attn_fn"], x["hc_attn_scale"], x["hc_attn_base"], m)
     x_normed = rms_norm(x_mixed, x["attn_norm_w"], m.rms_norm_eps)
@@ -491,13 +485,13 @@ _KV_ROWS_SCRIPT = r"""
 import json, sys, torch
 torch.set_num_threads(2)
 from pathlib import Path
-from layers.contract.config import SMALL
+from layers.contract.config import MINI
 from layers.components.hc import hc_pre
 from layers.components.qkv import qkv_proj_rope, rms_norm
-peer = Path(sys.argv[1])
+data = Path(sys.argv[1])
 bad = {}
 for layer, mapping in (("swa", "swa_slot_mapping"), ("hca", "ori_slot_mapping"), ("csa", "ori_slot_mapping")):
-    snap = peer / f"{layer}-tp2-64"
+    snap = data / f"{layer}-tp2-mini"
     load = lambda name, part="in": torch.load(snap / part / f"{name}.pt", weights_only=True)
     x = {n: load(n) for n in ("x_hc", "hc_attn_fn", "hc_attn_scale", "hc_attn_base", "attn_norm_w", "wq_a", "wq_b",
                              "wq_b_scale", "wkv", "gamma_cq", "gamma_ckv", "freqs_cos", "freqs_sin", "position_ids", mapping)}
@@ -507,11 +501,11 @@ for layer, mapping in (("swa", "swa_slot_mapping"), ("hca", "ori_slot_mapping"),
         cos, sin = g["freqs_cos"], g["freqs_sin"]
         if cos.shape[0] != g["position_ids"].shape[0]:  # CSA ships the full table
             cos, sin = cos[g["position_ids"].long()], sin[g["position_ids"].long()]
-        xm, _, _ = hc_pre(g["x_hc"], g["hc_attn_fn"], g["hc_attn_scale"], g["hc_attn_base"], SMALL)
-        xn = rms_norm(xm, g["attn_norm_w"], SMALL.rms_norm_eps)
+        xm, _, _ = hc_pre(g["x_hc"], g["hc_attn_fn"], g["hc_attn_scale"], g["hc_attn_base"], MINI)
+        xn = rms_norm(xm, g["attn_norm_w"], MINI.rms_norm_eps)
         _, kv, _, _ = qkv_proj_rope(xn, g["wq_a"], g["wq_b"], g["wq_b_scale"], g["wkv"], cos, sin,
-                                    g["gamma_cq"], g["gamma_ckv"], SMALL)
-        written = cache[r].reshape(-1, SMALL.head_dim)[g[mapping]]
+                                    g["gamma_cq"], g["gamma_ckv"], MINI)
+        written = cache[r].reshape(-1, MINI.head_dim)[g[mapping]]
         bad[f"{layer}/rank{r}"] = int((written != kv).sum())
 print(json.dumps(bad))
 """
@@ -521,10 +515,9 @@ print(json.dumps(bad))
 def test_chain_kv_bitwise_on_snapshots():
     """The kv rows each step wrote into the snapshots' caches equal hc_pre → rms_norm →
     qkv_proj_rope of the snapshot inputs, bit for bit (MKL's AVX2 strict GEMM path)."""
-    _peer("swa-tp2-64")
     env = dict(os.environ, PYTHONPATH=str(REPO), MKL_CBWR="AVX2,STRICT")
     proc = subprocess.run(
-        [sys.executable, "-c", _KV_ROWS_SCRIPT, str(PEER)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _KV_ROWS_SCRIPT, str(REFERENCE_DATA)], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     bad = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """The CSA layer: inventory, fixture, validation, key list and the compressors (the properties
 every layer shares are in tests/conformance).
 
-Reference data (../shared/peer/csa-tp2-64) pins the tensor inventory and every integer
+Reference data (tests/data/reference/csa-tp2-mini) pins the tensor inventory and every integer
 metadata tensor the fixture derives (starts, tables, slot mappings, window indices, the
 sentinel rows of both state pools). Loop re-statements in this file pin the attention key
 list and the RoPE positions of the two compressors.
@@ -17,21 +17,20 @@ from layers.components import hc, qkv
 from layers.components.numerics import bf16
 from layers.contract.case import Case
 from layers.contract.checks import HIDDEN_AXES, PoolCheck, RelDiffCheck
-from layers.contract.config import FLASH, SMALL, TINY, ConfigError
+from layers.contract.config import FLASH, MINI, SMALL, TINY, ConfigError
 from layers.contract.tensors import Kind
 from layers.csa import fixture as csa_fixture
 from layers.registry import validated
 
-from ..conftest import peer_snapshot
+from ..conftest import reference_snapshot
 from .test_csa_compressor import naive_compressor_step
 
 SEQ = TINY.decode_seq
-SNAPSHOT = "csa-tp2-64"
 INOUTS = ("compress_state", "inner_compress_state", "kv_cache", "cmp_kv", "idx_kv_cache", "idx_kv_scale")
 
 
 def _load(name: str, kind: str = "in") -> torch.Tensor:
-    return torch.load(peer_snapshot(SNAPSHOT) / kind / f"{name}.pt", weights_only=True)
+    return torch.load(reference_snapshot("csa") / kind / f"{name}.pt", weights_only=True)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -46,9 +45,9 @@ def _golden_inputs(case: Case, rank: int) -> dict[str, torch.Tensor]:
 
 # -- inventory and fixture vs the reference snapshot ----------------------------------------
 def test_tensor_specs_match_the_snapshot():
-    case = Case("csa", SMALL, 2, 64, seed=0)
+    case = Case("csa", MINI, 2, 32, seed=0)
     specs = csa.LAYER.tensor_specs(case)
-    folder = peer_snapshot(SNAPSHOT)
+    folder = reference_snapshot("csa")
     ins = {p.stem for p in (folder / "in").glob("*.pt")}
     outs = {p.stem for p in (folder / "out").glob("*.pt")}
     assert set(specs) == ins | outs
@@ -62,7 +61,7 @@ def test_tensor_specs_match_the_snapshot():
 
 def test_fixture_metadata_equals_the_snapshot():
     """Starts, tables, mappings and windows are deterministic: the reference's, value for value."""
-    case = Case("csa", SMALL, 2, 64, seed=0)
+    case = Case("csa", MINI, 2, 32, seed=0)
     specs = csa.LAYER.tensor_specs(case)
     integer = [n for n, s in specs.items() if s.dtype in (torch.int32, torch.int64) and n != "local_t"]
     assert len(integer) == 13
@@ -129,7 +128,7 @@ def test_o_weight_shards_reassemble():
 
 # -- validation ------------------------------------------------------------------------------
 def test_validate_accepts_the_presets():
-    cases = ((TINY, 1, 128), (TINY, 8, 16), (TINY, 2, 56), (SMALL, 2, 64), (FLASH, 8, 64), (FLASH, 2, 248))
+    cases = ((TINY, 1, 128), (TINY, 8, 16), (TINY, 2, 56), (SMALL, 2, 64), (MINI, 2, 32), (FLASH, 8, 64), (FLASH, 2, 248))
     for model, tp, local_t in cases:
         validated(Case("csa", model, tp, local_t, seed=0))
 

@@ -26,11 +26,11 @@ from layers.hca import layer as hca
 from layers.hca import fixture as hca_fixture
 from layers.contract.tensors import Kind
 from layers.contract.case import Case
-from layers.contract.config import SMALL
+from layers.contract.config import MINI
 
-from ..conftest import PEER, REPO
+from ..conftest import REPO, reference_snapshot
 
-SNAPSHOT = PEER / "hca-tp2-64"
+SNAPSHOT = reference_snapshot("hca")
 POOLS = ("compress_state", "kv_cache", "cmp_kv")
 
 
@@ -39,8 +39,6 @@ def _load(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _snapshot() -> tuple[dict, dict]:
-    if not SNAPSHOT.is_dir():
-        pytest.skip(f"reference snapshot {SNAPSHOT} is absent (it ships in ../shared, not in a user's clone)")
     return _load(SNAPSHOT / "in"), _load(SNAPSHOT / "out")
 
 
@@ -54,7 +52,7 @@ def replay(root: str) -> dict:
     for r in range(inp["wo_a"].shape[0]):
         tensors = {n: x[r].clone() for n, x in inp.items() if x.dim() > 0}
         tensors.update(wo_a=wo_a, wo_b=wo_b, local_t=inp["local_t"])  # wo_b_scale from slice [r] (§5.3)
-        got = hca.golden_decode_hca_tp1(SMALL, tensors)
+        got = hca.golden_decode_hca_tp1(MINI, tensors)
         for name, want in out.items():
             diff = (got[name].float() - want[r].float()).abs()
             bad_tokens = int((diff.flatten(1).amax(1) > 0).sum()) if name == "x_out" else None
@@ -90,6 +88,10 @@ def test_golden_x_out_is_within_rounding_of_the_snapshot(replayed, rank):
     assert diff < 1e-3 and bad_tokens <= 8, (diff, bad_tokens)
 
 
+# At the shipped snapshot's dims (model=mini) x_out is a few roundings off on a few tokens (the
+# pools stay bitwise): the golden sums wo_a's K in blocks of 128 (o_proj.WO_A_K_BLOCK), the
+# reference's einsum at these shapes in one pass (tests/unit/test_csa_golden.py). Strict.
+@pytest.mark.xfail(strict=True, reason="x_out at model=mini: wo_a K blocks of 128 vs one pass")
 @pytest.mark.parametrize("rank", [0, 1])
 def test_golden_x_out_reproduces_the_snapshot_bitwise(replayed, rank):
     same, diff, bad_tokens = replayed[f"{rank}/x_out"]
@@ -98,7 +100,7 @@ def test_golden_x_out_reproduces_the_snapshot_bitwise(replayed, rank):
 
 def test_tensor_specs_are_the_snapshots():
     inp, out = _snapshot()
-    case = Case("hca", SMALL, 2, int(inp["local_t"]), 0)
+    case = Case("hca", MINI, 2, int(inp["local_t"]), 0)
     specs = hca.LAYER.tensor_specs(case)
     on_disk = {n: (tuple(x.shape[1:]) if x.dim() else (), x.dtype) for n, x in inp.items()}
     assert {n: (s.shape, s.dtype) for n, s in specs.items() if s.kind is not Kind.OUTPUT} == on_disk
@@ -110,7 +112,7 @@ def test_tensor_specs_are_the_snapshots():
 def test_fixture_metadata_and_constants_are_the_snapshots():
     """Everything of §5 and the fixed tensors of §6.1 are RNG-free: they must match exactly."""
     inp, _ = _snapshot()
-    case = Case("hca", SMALL, 2, int(inp["local_t"]), 20260819)
+    case = Case("hca", MINI, 2, int(inp["local_t"]), 20260819)
     validated(case)
     for r in range(2):
         mine = hca.LAYER.rank_inputs(case, r)

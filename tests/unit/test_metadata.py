@@ -10,15 +10,12 @@ import torch
 
 from layers.components import metadata as md
 
-from ..conftest import PEER
+from layers.contract.config import MINI
 
+from ..conftest import reference_snapshot
 
-
-def _peer(name: str) -> Path:
-    path = PEER / name
-    if not path.is_dir():
-        pytest.skip(f"reference snapshot {path} is absent (it ships in ../shared, not in a user's clone)")
-    return path
+# Requests per rank in the shipped reference snapshots (local_t=32 of MINI's decode_seq=8).
+BATCH = 4
 
 
 # -- naive re-statements (one token / one entry at a time) ---------------------------------
@@ -211,10 +208,10 @@ def _load(folder: Path, name: str) -> torch.Tensor:
 
 
 def test_swa_snapshot_metadata():
-    snap = _peer("swa-tp2-64")
-    starts = md.swa_decode_start_set(8, 128, 8192)
+    snap = reference_snapshot("swa")
+    starts = md.swa_decode_start_set(BATCH, 128, MINI.decode_start_pos)
     pos = md.position_ids_from_starts(starts, 8)
-    table = md.block_table(8, 32768, 512)
+    table = md.block_table(BATCH, 32768, MINI.kv_ori_block_num)
     idx, lens = md.swa_indices_and_lens(pos, table, 32, 128)
     for r in range(2):  # every rank has the same batch and start set
         assert torch.equal(pos.reshape(-1), _load(snap, "position_ids")[r])
@@ -224,23 +221,25 @@ def test_swa_snapshot_metadata():
 
 
 def test_hca_snapshot_metadata():
-    snap = _peer("hca-tp2-64")
-    starts = md.hca_decode_start_set(8, 128, 8, 8192)
+    snap = reference_snapshot("hca")
+    starts = md.hca_decode_start_set(BATCH, 128, 8, MINI.decode_start_pos)
     pos = md.position_ids_from_starts(starts, 8)
     assert torch.equal(pos.reshape(-1), _load(snap, "position_ids")[0])
     assert torch.equal(md.kv_seq_lens_from_starts(starts, 8), _load(snap, "kv_seq_lens")[0])
     state_table = _load(snap, "compress_state_block_table")[0]
-    assert torch.equal(state_table, md.block_table(8, 131072, 256))  # no re-placement needed at batch 8
+    width = MINI.long_context_max_seq_len // MINI.c128_state_block_size
+    assert torch.equal(state_table, md.block_table(BATCH, width, MINI.hca_state_physical_blocks))  # no re-placement
     assert torch.equal(md.state_slot_mapping(pos, state_table, 8).reshape(-1), _load(snap, "state_slot_mapping")[0])
     cmp = md.compressed_slot_mapping(pos, _load(snap, "cmp_block_table")[0], 128, 32)
     assert torch.equal(cmp.reshape(-1), _load(snap, "cmp_slot_mapping")[0])
 
 
 def test_csa_snapshot_mappings():
-    snap = _peer("csa-tp2-64")
-    assert md.csa_decode_start_set(8, 8, 4, 2, 64, 128, 8192) == _load(snap, "position_ids")[0].view(8, 8)[:, 0].tolist()
+    snap = reference_snapshot("csa")
+    starts = md.csa_decode_start_set(2 * BATCH, 8, 4, 2, 64, 128, MINI.decode_start_pos)  # the global batch, split
+    assert starts == [s for r in range(2) for s in _load(snap, "position_ids")[r].view(BATCH, 8)[:, 0].tolist()]
     for r in range(2):
-        pos = _load(snap, "position_ids")[r].view(8, 8)
+        pos = _load(snap, "position_ids")[r].view(BATCH, 8)
         assert torch.equal(md.kv_seq_lens_from_starts(pos[:, 0], 8), _load(snap, "kv_seq_lens")[r])
         for table, mapping in (("cmp_block_table", "cmp_slot_mapping"), ("idx_block_table", "idx_slot_mapping")):
             got = md.compressed_slot_mapping(pos, _load(snap, table)[r], 4, 32).reshape(-1)

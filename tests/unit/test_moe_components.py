@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from .. import moe_snapshot
-from ..conftest import peer_snapshot
+from ..conftest import reference_snapshot
 from layers.moe import layer as moe
 from layers.components import moe as moe_math
 from layers.components import moe_routing as routing
@@ -39,7 +39,7 @@ def _load(folder):
 
 # -- the golden against the reference ------------------------------------------------------------
 def test_golden_reproduces_the_reference_snapshot_bitwise(two_threads):
-    root = peer_snapshot("moe-ep2-small")
+    root = reference_snapshot("moe")
     inp, out = moe_snapshot.load(root / "in"), moe_snapshot.load(root / "out")
     p = inp["x_hc"].shape[0]
     case = moe_snapshot.snapshot_case(inp)
@@ -60,7 +60,7 @@ def test_golden_reproduces_the_reference_snapshot_bitwise(two_threads):
 def test_a_wrong_golden_is_not_explained_by_gemm_rounding(two_threads):
     """The gap check fails a golden whose defect survives the reference comparators: the routing
     weight applied after the routed expert's bf16 rounding instead of before (spec §4.5 step 4)."""
-    root = peer_snapshot("moe-ep2-small")
+    root = reference_snapshot("moe")
     inp, out = moe_snapshot.load(root / "in"), moe_snapshot.load(root / "out")
     case = moe_snapshot.snapshot_case(inp)
     right = moe_math.routed_expert

@@ -16,7 +16,7 @@ from layers.registry import validated
 from layers.swa import layer as swa
 from layers.components.kv_cache import write_rows
 from layers.contract.case import Case
-from layers.contract.config import SMALL, TINY, ConfigError
+from layers.contract.config import MINI, TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
 from layers.swa import fixture as swa_fixture
@@ -24,7 +24,7 @@ from layers.tp import TorchTP
 
 from .. import defects
 
-from ..conftest import PEER
+from ..conftest import reference_snapshot
 
 
 
@@ -40,13 +40,11 @@ def _load(folder):
     return {p.stem: torch.load(p, weights_only=True) for p in sorted(folder.glob("*.pt"))}
 
 
-def test_golden_reproduces_the_reference_snapshot_bitwise(two_threads):
-    root = PEER / "swa-tp2-64"
-    if not root.is_dir():
-        pytest.skip(f"reference snapshot {root} is absent (it ships in ../shared, not in a user's clone)")
+def test_golden_reproduces_the_reference_snapshot(two_threads):
+    root = reference_snapshot("swa")
     inp, out = _load(root / "in"), _load(root / "out")
     p = inp["wo_a"].shape[0]
-    case = Case("swa", SMALL, p, int(inp["local_t"]), 0)
+    case = Case("swa", MINI, p, int(inp["local_t"]), 0)
     assert set(inp) == set(swa.LAYER.names_of(case, Kind.INPUT) + swa.LAYER.names_of(case, Kind.INOUT))
     assert set(out) == set(swa.LAYER.compared_names(case))
     # §5.3: full wo_a = the shards in rank-major group order; full wo_b = the column blocks.
@@ -55,11 +53,13 @@ def test_golden_reproduces_the_reference_snapshot_bitwise(two_threads):
     for r in range(p):
         tensors = {n: x[r].clone() for n, x in inp.items() if x.dim() > 0}
         tensors.update(wo_a=wo_a, wo_b=wo_b, wo_b_scale=inp["wo_b_scale"][0])
-        got = swa.golden_decode_swa_tp1(SMALL, tensors)
-        for name in ("kv_cache", "x_out"):
-            same = torch.equal(got[name], out[name][r])
-            diff = (got[name].float() - out[name][r].float()).abs().max().item()
-            assert same, f"rank {r} {name}: max |diff| {diff:.3g}"
+        got = swa.golden_decode_swa_tp1(MINI, tensors)
+        diff = (got["x_out"] - out["x_out"][r]).abs().max().item()
+        assert torch.equal(got["kv_cache"], out["kv_cache"][r]), f"rank {r} kv_cache"
+        # x_out is a rounding off at model=mini's dims (bitwise at the former 16 heads): the
+        # golden sums wo_a's K in blocks of 128, the reference's einsum at these shapes in one
+        # pass (tests/unit/test_csa_golden.py); a slip in the layer's own math moves it by far more.
+        assert diff < 1e-4, f"rank {r} x_out: max |diff| {diff:.3g}"
 
 
 def test_rope_rows_follow_each_ranks_own_positions():
