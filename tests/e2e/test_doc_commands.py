@@ -30,6 +30,10 @@ def _shell(line: str, cwd, timeout: float = 900) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("doc", [p for p in DOC_FILES if doc_commands(p)], ids=lambda p: p.name)
 def test_every_command_of_the_doc_runs_or_composes(doc, tmp_path):
+    # The docs' commands are typed in a checkout: its shipped data (tests/data) is linked into
+    # the folder they run in, which keeps what they write out of the repository.
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "data").symlink_to(REPO / "tests" / "data")
     for cmd in doc_commands(doc):
         where = f"{cmd.source}: {cmd.text}"
         if cmd.kind in ("install", "system"):
