@@ -10,7 +10,7 @@ from .moe import layer as moe
 from .swa import layer as swa
 from .block import layer as block
 from .moe.collectives import MoECollectivesScope
-from .prefill import layer as prefill
+from .prefill import registry as prefill
 from .prefill.case import PrefillCase
 from .contract.case import Case
 from .contract.config import ConfigError
@@ -24,7 +24,7 @@ SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, 
 # The MoE layer's own focused scopes: its two all-to-alls alone.
 MOE_SCOPES = {"collectives": MoECollectivesScope}
 # The context-parallel prefill layers (phase=prefill), by layer name.
-PREFILL = {prefill.LAYER.name: prefill.LAYER}
+PREFILL = prefill.PREFILL
 PHASES = ("decode", "prefill")
 
 

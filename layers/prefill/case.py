@@ -14,6 +14,7 @@ from ..contract.case import group_seed
 from ..contract.config import ConfigError, ModelConfig
 
 LAYOUTS = ("zigzag", "contiguous")
+PREFILL_LAYERS = ("swa", "hca")  # the layers with a prefill stage list (layers/prefill/registry.py)
 SCOPES = ("full", "collectives")  # the whole step, or its CP exchange alone (layers/prefill/collectives.py)
 # Query tiles per segment (the reference's MAX_SEGMENT_TILES): a segment is 1..2 windows long.
 MAX_SEGMENT_TILES = 2
@@ -98,8 +99,9 @@ class PrefillCase:
 
     def validate(self) -> None:
         w, lens = self.window, self.lengths
-        if self.layer != "swa":
-            raise ConfigError(f"phase=prefill runs layer=swa; layer={self.layer} has no prefill stage list yet")
+        if self.layer not in PREFILL_LAYERS:
+            raise ConfigError(f"phase=prefill runs layer={'|'.join(PREFILL_LAYERS)}; layer={self.layer} has no "
+                              f"prefill stage list yet")
         if self.scope not in SCOPES:
             raise ConfigError(f"phase=prefill runs scope={' or '.join(SCOPES)}, not scope={self.scope}")
         if self.cp < 1:
@@ -136,4 +138,4 @@ class PrefillCase:
         return notes
 
 
-__all__ = ["LAYOUTS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]
+__all__ = ["LAYOUTS", "PREFILL_LAYERS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]
