@@ -76,10 +76,10 @@ def rank_tables(case: PrefillCase, rank: int) -> dict[str, torch.Tensor]:
     }
 
 
-def rank_inputs(case: PrefillCase, rank: int) -> dict[str, torch.Tensor]:
+def rank_inputs(case: PrefillCase, rank: int, w: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Rank's inputs: the SWA prefill's (x_hc of its two segments, the raw-KV history), the
-    HCA weights, its tables and the two compressor pools with their history."""
-    held = fixture.rank_inputs(case, rank, weights(case))
+    HCA weights (`w`: already drawn), its tables and the two compressor pools with their history."""
+    held = fixture.rank_inputs(case, rank, w or weights(case))
     hca = rank_tables(case, rank)
     swa = {n: t for n, t in held.items() if n != "query_position_ids"}
     return {**swa, **hca, **pools(case, hca["compress_state_block_table"], hca["cmp_block_table"])}
