@@ -842,14 +842,14 @@ class PrefillTailsInRankMajorOrder(StageDefect):
 
 
 # -- context-parallel prefill, HCA: the compressor's windows and the compact exchange --------------
-class PrefillHCALocalRopePositions(StageDefect):
-    """HCA: RoPE of Q and KV at the rank-local row index instead of the global position."""
-
-    stages = ("project",)
+class PrefillHCALocalRopePositions(PrefillLocalRopePositions):
+    """HCA: RoPE of Q and KV at the rank-local row index (its position table is `query_positions`)."""
 
     def defective(self, stage, ctx, v):
-        local = torch.arange(v["query_positions"].numel(), dtype=torch.int32).reshape(v["query_positions"].shape)
-        return stage.run(ctx, {**v, "query_positions": local})
+        from types import SimpleNamespace
+
+        renamed = SimpleNamespace(run=lambda c, vals: stage.run(c, {**vals, "query_positions": vals["query_position_ids"]}))
+        return super().defective(renamed, ctx, {**v, "query_position_ids": v["query_positions"]})
 
 
 class PrefillHCAWindowFromOwnRowsOnly(StageDefect):
