@@ -24,16 +24,13 @@ from .case import PrefillCase
 from .layer import PrefillSWALayer
 
 COMPARED = ("kv_cache", "cmp_kv", "compress_state", "x_out")
-# Per rank in the reference's snapshot (leading cp axis); the rest of the inputs are held once.
-PER_RANK = frozenset({"x_hc", "kv_cache", "cmp_kv", "compress_state", "cmp_block_table", "compress_state_block_table",
-                      "predecessor_segments", "query_positions", "overlay_active_lengths", "snapshot_positions",
-                      "snapshot_valid"})
 
 
 class PrefillHCALayer(PrefillSWALayer):
     """The zigzag layout's HCA layer: tails of KV and hidden rows, the compressor, the compact exchange."""
 
     name = "hca"
+    # Held once in the reference's snapshot; every other input per rank (leading cp axis).
     replicated_inputs = PrefillSWALayer.replicated_inputs | set(hca.COMPRESSOR_WEIGHTS) | {
         "segment_tail_positions", "final_segment_t", "owner_part_table"}
 
@@ -124,9 +121,9 @@ class PrefillHCALayer(PrefillSWALayer):
 
     def of_rank(self, stacked: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         """Rank's inputs from tensors in the reference's layout: per-rank ones sliced."""
-        return {n: t[rank].clone() if n in PER_RANK else t for n, t in stacked.items()}
+        return {n: t if n in self.replicated_inputs else t[rank].clone() for n, t in stacked.items()}
 
 
 LAYER = PrefillHCALayer()
 
-__all__ = ["COMPARED", "PER_RANK", "PrefillHCALayer", "LAYER"]
+__all__ = ["COMPARED", "PrefillHCALayer", "LAYER"]

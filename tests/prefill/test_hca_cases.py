@@ -142,3 +142,15 @@ def test_bad_case_refused_early(kw, words):
 def test_window_other_than_the_ratio_refused():
     with pytest.raises(ConfigError, match="sliding_window = 128"):
         LAYER.validate(PrefillCase("hca", TINY.replace(sliding_window=64), 2, 7, segment_lens=(64,) * 4))
+
+
+def test_stacked_golden_is_every_rank_golden():
+    """The golden from tensors in the reference's snapshot layout (per-rank ones stacked, the
+    replicated ones once) equals each rank's own."""
+    c = case(2, prefix=300, segment_lens=(200, 77, 256, 130))
+    inputs = _inputs(c)
+    stacked = {n: inputs[0][n] if n in LAYER.replicated_inputs else torch.stack([t[n] for t in inputs])
+               for n in inputs[0]}
+    got, want = LAYER.golden(c, stacked), _expected(c, inputs)
+    for name in hca_layer.COMPARED:
+        assert torch.equal(got[name], torch.stack([w[name] for w in want])), name

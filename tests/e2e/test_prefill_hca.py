@@ -1,0 +1,61 @@
+"""HCA CP prefill end to end through the launcher: cases PASS (history, uneven segments whose
+compressor windows straddle ranks, cp 1 and 4), each defect FAILs naming the tensor and the
+rank, bisect names the stage and ranks, and what HCA prefill does not run is refused early."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .. import defects
+
+
+@pytest.mark.parametrize("keys", [
+    dict(cp=2), dict(cp=1),
+    dict(cp=4, prefix=300, segment_lens="[200,77,256,130,1,60,128,3]"),
+], ids=lambda k: "-".join(f"{a}{b}" for a, b in k.items()))
+def test_hca_prefill_passes(tp_run, keys):
+    run = tp_run(layer="hca", phase="prefill", model="tiny", **keys)
+    assert run.exit_code == 0, run
+    for tensor in ("x_out", "kv_cache", "cmp_kv", "compress_state"):
+        assert run.verdict(tensor)["passed"], run
+
+
+@pytest.mark.parametrize("impl, keys, tensor, ranks", [
+    (defects.PrefillHCALocalRopePositions, {}, "x_out", [0, 1]),
+    (defects.PrefillHCAWindowFromOwnRowsOnly, {"segment_lens": "[100,100,100,100]"}, "cmp_kv", [0, 1]),
+    (defects.PrefillHCAWindowFromPredecessorOnly, {"prefix": 100, "segment_lens": "[128,40,30,128]"}, "cmp_kv",
+     [0, 1]),
+    (defects.PrefillHCAStateOnOwnerOnly, {}, "compress_state", [1]),  # rank 0 owns the last segment
+    (defects.PrefillHCACompressedRowsOnOwnerOnly, {}, "cmp_kv", [0, 1]),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_hca_prefill_defect_fails_naming_tensor_and_rank(tp_run, impl, keys, tensor, ranks):
+    run = tp_run(layer="hca", phase="prefill", cp=2, model="tiny", impl=impl, **keys)
+    assert run.exit_code == 1, run
+    v = run.verdict(tensor)
+    assert not v["passed"], run
+    assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == ranks, run
+
+
+@pytest.mark.parametrize("impl, keys, stage, ranks", [
+    (defects.PrefillHCALocalRopePositions, {}, "project", [0, 1]),
+    (defects.PrefillHCAWindowFromOwnRowsOnly, {"segment_lens": "[100,100,100,100]"}, "compressor", [0, 1]),
+    (defects.PrefillHCAStateOnOwnerOnly, {}, "compact_exchange", [1]),
+    (defects.PrefillHCACompressedRowsOnOwnerOnly, {}, "compact_exchange", [0, 1]),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_hca_prefill_bisect_names_the_stage_and_ranks(tp_run, impl, keys, stage, ranks):
+    run = tp_run(layer="hca", phase="prefill", cp=2, model="tiny", impl=impl, bisect=True, **keys)
+    assert run.exit_code == 1, run
+    located = run.result["bisect"]
+    assert (located["stage"], located["ranks"]) == (stage, ranks), run
+
+
+@pytest.mark.parametrize("keys, words", [
+    (dict(cp_layout="contiguous"), "cp_layout=zigzag"),
+    (dict(scope="collectives"), "scope=full"),
+    (dict(prefix=5000), "ring of 32"),
+])
+def test_hca_prefill_refusals(tp_run, keys, words):
+    run = tp_run(layer="hca", phase="prefill", model="tiny", **keys)
+    assert run.exit_code != 0 and re.search(words, run.output), run
