@@ -43,7 +43,8 @@ class PrefillHCALayer(PrefillSWALayer):
             raise ConfigError(f"layer=hca phase=prefill runs cp_layout=zigzag (the reference's); "
                               f"cp_layout={case.cp_layout} is built for layer=swa only")
         if case.scope != "full":
-            raise ConfigError(f"layer=hca phase=prefill runs scope=full; scope={case.scope} is built for layer=swa only")
+            raise ConfigError(f"layer=hca phase=prefill runs scope=full; scope={case.scope} is built for "
+                              f"layer=swa only")
         if case.window != COMPRESS_RATIO:
             raise ConfigError(f"layer=hca phase=prefill needs sliding_window = {COMPRESS_RATIO} (the compress "
                               f"ratio: a segment's tail must hold every row a pooling window reaches back to); "

@@ -22,33 +22,27 @@ def test_hca_prefill_passes(tp_run, keys):
         assert run.verdict(tensor)["passed"], run
 
 
-@pytest.mark.parametrize("impl, keys, tensor, ranks", [
-    (defects.PrefillHCALocalRopePositions, {}, "x_out", [0, 1]),
-    (defects.PrefillHCAWindowFromOwnRowsOnly, {"segment_lens": "[100,100,100,100]"}, "cmp_kv", [0, 1]),
-    (defects.PrefillHCAWindowFromPredecessorOnly, {"prefix": 100, "segment_lens": "[128,40,30,128]"}, "cmp_kv",
-     [0, 1]),
-    (defects.PrefillHCAStateOnOwnerOnly, {}, "compress_state", [1]),  # rank 0 owns the last segment
-    (defects.PrefillHCACompressedRowsOnOwnerOnly, {}, "cmp_kv", [0, 1]),
-], ids=lambda x: getattr(x, "__name__", None))
-def test_hca_prefill_defect_fails_naming_tensor_and_rank(tp_run, impl, keys, tensor, ranks):
-    run = tp_run(layer="hca", phase="prefill", cp=2, model="tiny", impl=impl, **keys)
-    assert run.exit_code == 1, run
-    v = run.verdict(tensor)
-    assert not v["passed"], run
-    assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == ranks, run
+COMPARED = ("kv_cache", "cmp_kv", "compress_state", "x_out")
 
 
-@pytest.mark.parametrize("impl, keys, stage, ranks", [
-    (defects.PrefillHCALocalRopePositions, {}, "project", [0, 1]),
-    (defects.PrefillHCAWindowFromOwnRowsOnly, {"segment_lens": "[100,100,100,100]"}, "compressor", [0, 1]),
-    (defects.PrefillHCAStateOnOwnerOnly, {}, "compact_exchange", [1]),
-    (defects.PrefillHCACompressedRowsOnOwnerOnly, {}, "compact_exchange", [0, 1]),
+@pytest.mark.parametrize("impl, keys, failing, located", [
+    (defects.PrefillHCALocalRopePositions, {}, {"x_out": [0, 1]}, ("project", [0, 1])),
+    (defects.PrefillHCAWindowFromOwnRowsOnly, {"segment_lens": "[100,100,100,100]"},
+     {"cmp_kv": [0, 1], "compress_state": [0, 1]}, ("compressor", [0, 1])),
+    (defects.PrefillHCAWindowFromPredecessorOnly, {"prefix": 100, "segment_lens": "[128,40,30,128]"},
+     {"cmp_kv": [0, 1]}, ("compressor", [0])),  # rank 0's segment 3 has a block reaching into segment 1
+    # rank 0 owns the last segment: rank 1 keeps its state rows from before the step
+    (defects.PrefillHCAStateOnOwnerOnly, {}, {"compress_state": [1]}, ("compact_exchange", [1])),
+    (defects.PrefillHCACompressedRowsOnOwnerOnly, {}, {"cmp_kv": [0, 1]}, ("compact_exchange", [0, 1])),
 ], ids=lambda x: getattr(x, "__name__", None))
-def test_hca_prefill_bisect_names_the_stage_and_ranks(tp_run, impl, keys, stage, ranks):
+def test_hca_prefill_defect_fails_naming_tensor_and_rank_and_bisect_locates_it(tp_run, impl, keys, failing, located):
+    """Each defect FAILs the named tensors on the named ranks (others may fail too) and bisect
+    names the first divergent stage and its ranks."""
     run = tp_run(layer="hca", phase="prefill", cp=2, model="tiny", impl=impl, bisect=True, **keys)
     assert run.exit_code == 1, run
-    located = run.result["bisect"]
-    assert (located["stage"], located["ranks"]) == (stage, ranks), run
+    bad = {t: [r["rank"] for r in run.verdict(t)["per_rank"] if r["n_bad"]] for t in COMPARED}
+    assert {t: bad[t] for t in failing} == failing, run
+    assert (run.result["bisect"]["stage"], run.result["bisect"]["ranks"]) == located, run
 
 
 @pytest.mark.parametrize("keys, words", [
