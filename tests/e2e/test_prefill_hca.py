@@ -53,3 +53,18 @@ def test_hca_prefill_defect_fails_naming_tensor_and_rank_and_bisect_locates_it(t
 def test_hca_prefill_refusals(tp_run, keys, words):
     run = tp_run(layer="hca", phase="prefill", model="tiny", **keys)
     assert run.exit_code != 0 and re.search(words, run.output), run
+
+
+def test_saved_hca_snapshot_replays(tp_run, tmp_path):
+    """The reference's tensor names in the saved folder; a replay with golden_data alone reads the
+    case back and PASSes."""
+    saved = tmp_path / "saved"
+    first = tp_run(layer="hca", phase="prefill", cp=2, model="tiny", prefix=300, segment_lens="[200,77,256,130]",
+                   save_data=str(saved))
+    assert first.exit_code == 0, first
+    names = {p.stem for p in (saved / "in").iterdir()}
+    assert {"compress_state_block_table", "cmp_block_table", "query_positions"} <= names, names
+    replay = tp_run(golden_data=str(saved))
+    assert replay.exit_code == 0, replay
+    case = replay.result["case"]
+    assert (case["layer"], case["segment_lens"], case["prefix"]) == ("hca", [200, 77, 256, 130], 300), replay
