@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..components.hca_compressor import COMPRESS_RATIO
 from ..contract.case import group_seed
 from ..contract.config import ConfigError, ModelConfig
 
@@ -135,7 +136,20 @@ class PrefillCase:
                              "of every predecessor but the first)")
         if self.cp not in (2, 4, 8):
             notes.append(f"cp={self.cp} (the reference accepts 2, 4, 8)")
+        if self.layer == "hca" and self._compressor_window_reaches_two_back():
+            notes.append("a compressor window reaching past its segment's predecessor (the reference's scratch "
+                         "pool holds the predecessor's tail only)")
         return notes
+
+    def _compressor_window_reaches_two_back(self) -> bool:
+        """Whether a 128-position block ending in segment s ≥ 2 starts before segment s − 1."""
+        starts = self.starts
+        for b in range(self.prefix, self.prefix + self.total):
+            if (b + 1) % COMPRESS_RATIO == 0:
+                s = max(i for i, st in enumerate(starts) if st <= b)
+                if s >= 2 and b + 1 - COMPRESS_RATIO < starts[s - 1]:
+                    return True
+        return False
 
 
 __all__ = ["LAYOUTS", "PREFILL_LAYERS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]

@@ -154,3 +154,10 @@ def test_stacked_golden_is_every_rank_golden():
     got, want = LAYER.golden(c, stacked), _expected(c, inputs)
     for name in hca_layer.COMPARED:
         assert torch.equal(got[name], torch.stack([w[name] for w in want])), name
+
+
+def test_window_reaching_two_segments_back_is_said_beyond_the_reference():
+    assert case(2).beyond_reference() == []
+    notes = " ".join(case(2, prefix=100, segment_lens=(128, 40, 30, 128)).beyond_reference())
+    assert "compressor window reaching past" in notes
+    assert "compressor window" not in " ".join(case(2, segment_lens=(100,) * 4).beyond_reference())
