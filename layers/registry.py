@@ -10,7 +10,7 @@ from .moe import layer as moe
 from .swa import layer as swa
 from .block import layer as block
 from .moe.collectives import MoECollectivesScope
-from .prefill import layer as prefill
+from .prefill import registry as prefill
 from .prefill.case import PrefillCase
 from .block.case import BlockCase
 from .contract.case import Case, MoECase
@@ -25,7 +25,7 @@ SCOPES = {"full": None, "output": OutputScope, "collectives": CollectivesScope, 
 # The MoE layer's own focused scopes: its two all-to-alls alone.
 MOE_SCOPES = {"collectives": MoECollectivesScope}
 # The context-parallel prefill layers (phase=prefill), by layer name.
-PREFILL = {prefill.LAYER.name: prefill.LAYER}
+PREFILL = prefill.PREFILL
 # The case each set of case keys builds (`layers.contract.case.CASE_KEYS`, named by a layer's
 # config group), and the phases with a case of their own (their keys at the run config's top
 # level, `PrefillCase.config_keys`); decode, the first phase, builds its layer's key set's case.

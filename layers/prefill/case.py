@@ -12,10 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..components.hca_compressor import COMPRESS_RATIO
 from ..contract.case import group_seed
 from ..contract.config import ConfigError, ModelConfig
 
 LAYOUTS = ("zigzag", "contiguous")
+PREFILL_LAYERS = ("swa", "hca")  # the layers with a prefill stage list (layers/prefill/registry.py)
 SCOPES = ("full", "collectives")  # the whole step, or its CP exchange alone (layers/prefill/collectives.py)
 # Query tiles per segment (the reference's MAX_SEGMENT_TILES): a segment is 1..2 windows long.
 MAX_SEGMENT_TILES = 2
@@ -121,8 +123,9 @@ class PrefillCase:
 
     def validate(self) -> None:
         w, lens = self.window, self.lengths
-        if self.layer != "swa":
-            raise ConfigError(f"phase=prefill runs layer=swa; layer={self.layer} has no prefill stage list yet")
+        if self.layer not in PREFILL_LAYERS:
+            raise ConfigError(f"phase=prefill runs layer={'|'.join(PREFILL_LAYERS)}; layer={self.layer} has no "
+                              f"prefill stage list yet")
         if self.scope not in SCOPES:
             raise ConfigError(f"phase=prefill runs scope={' or '.join(SCOPES)}, not scope={self.scope}")
         if self.cp < 1:
@@ -156,7 +159,21 @@ class PrefillCase:
                              "of every predecessor but the first)")
         if self.cp not in (2, 4, 8):
             notes.append(f"cp={self.cp} (the reference accepts 2, 4, 8)")
+        if self.layer == "hca" and self._compressor_window_reaches_two_back():
+            notes.append("a compressor window reaching past its segment's predecessor (the reference's scratch "
+                         "pool holds the predecessor's tail only)")
         return notes
 
+    def _compressor_window_reaches_two_back(self) -> bool:
+        """Whether a 128-position block ending in segment s ≥ 2 starts before segment s − 1."""
+        starts = self.starts
+        for b in range(self.prefix, self.prefix + self.total):
+            if (b + 1) % COMPRESS_RATIO == 0:
+                s = max(i for i, st in enumerate(starts) if st <= b)
+                if s >= 2 and b + 1 - COMPRESS_RATIO < starts[s - 1]:
+                    return True
+        return False
 
-__all__ = ["DEFAULT_CP", "LAYOUTS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS", "PrefillCase"]
+
+__all__ = ["DEFAULT_CP", "LAYOUTS", "PREFILL_LAYERS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS",
+           "PrefillCase"]

@@ -24,7 +24,7 @@ def project(model: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, pos
     cos, sin = w["freqs_cos"][positions.long()], w["freqs_sin"][positions.long()]
     q, kv, _, _ = qkv.qkv_proj_rope(normed, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], cos, sin,
                                     w["gamma_cq"], w["gamma_ckv"], model)
-    return {"q": q, "kv": kv, "post": post, "comb": comb, "cos": cos, "sin": sin}
+    return {"q": q, "kv": kv, "normed": normed, "post": post, "comb": comb, "cos": cos, "sin": sin}
 
 
 def attend_and_project(model: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, front: dict,
@@ -37,27 +37,40 @@ def attend_and_project(model: ModelConfig, w: dict[str, torch.Tensor], x: torch.
     return hc.hc_post(attn_out, x, front["post"], front["comb"])
 
 
-def whole_prompt(case: PrefillCase, w: dict[str, torch.Tensor], prompt: torch.Tensor,
-                 kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The single-device step over prompt [total, HC, D] (positions prefix …) with the initial
-    kv_cache [blocks, rows, 1, HD]: `(x_out [total, HC, D], kv [total, HD], final kv_cache)`."""
-    m, win = case.model, case.window
+def window_keys(case: PrefillCase, kv: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step token's window keys `(keys [total, WIN, HD], valid [total, WIN])`: positions
+    max(0, q−WIN+1) … q, history (< prefix) from the cache ring, the rest from the step's kv."""
+    win = case.window
     positions = torch.arange(case.prefix, case.prefix + case.total)
-    front = project(m, w, prompt, positions)
     flat = kv_cache.reshape(-1, kv_cache.shape[-1])
     key_pos = positions[:, None] - win + 1 + torch.arange(win)[None, :]  # [N, WIN]
     valid = key_pos >= 0
     in_step = key_pos >= case.prefix
     keys = torch.zeros(case.total, win, flat.shape[-1], dtype=flat.dtype)
-    keys[in_step] = front["kv"][(key_pos - case.prefix)[in_step]]
+    keys[in_step] = kv[(key_pos - case.prefix)[in_step]]
     history = valid & ~in_step
     keys[history] = flat[key_pos[history] % case.cache_rows]
-    x_out = attend_and_project(m, w, prompt, front, keys, valid)
+    return keys, valid
+
+
+def final_window(case: PrefillCase, kv: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache after the step: the last WIN positions' kv at their ring rows, history elsewhere."""
+    positions = torch.arange(case.prefix, case.prefix + case.total)
     final = kv_cache.clone()
-    final_flat = final.view(-1, final.shape[-1])
-    last = positions[-win:]
-    final_flat[last % case.cache_rows] = front["kv"][-win:][last >= case.prefix]
-    return x_out, front["kv"], final
+    last = positions[-case.window:]
+    final.view(-1, final.shape[-1])[last % case.cache_rows] = kv[-case.window:][last >= case.prefix]
+    return final
+
+
+def whole_prompt(case: PrefillCase, w: dict[str, torch.Tensor], prompt: torch.Tensor,
+                 kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The single-device step over prompt [total, HC, D] (positions prefix …) with the initial
+    kv_cache [blocks, rows, 1, HD]: `(x_out [total, HC, D], kv [total, HD], final kv_cache)`."""
+    positions = torch.arange(case.prefix, case.prefix + case.total)
+    front = project(case.model, w, prompt, positions)
+    keys, valid = window_keys(case, front["kv"], kv_cache)
+    x_out = attend_and_project(case.model, w, prompt, front, keys, valid)
+    return x_out, front["kv"], final_window(case, front["kv"], kv_cache)
 
 
 def rank_slice(case: PrefillCase, rank: int, rows: torch.Tensor) -> torch.Tensor:
@@ -88,4 +101,4 @@ def prompt_of(case: PrefillCase, x_hc: torch.Tensor) -> torch.Tensor:
     return prompt
 
 
-__all__ = ["project", "attend_and_project", "whole_prompt", "rank_slice", "prompt_of"]
+__all__ = ["project", "attend_and_project", "window_keys", "final_window", "whole_prompt", "rank_slice", "prompt_of"]

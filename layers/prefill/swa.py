@@ -41,35 +41,43 @@ def row_mask(overlay_active_lengths: torch.Tensor, window: int) -> torch.Tensor:
     return (torch.arange(window) < overlay_active_lengths[..., 1].long()[..., None]).reshape(-1)
 
 
-def _key_table(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
-    rows = tables.key_rows(v["query_position_ids"], v["overlay_active_lengths"], v["predecessor_segments"],
+def key_table(ctx: RankContext, v: Values, positions: str = "query_position_ids") -> dict[str, torch.Tensor]:
+    """The key_table stage; `positions`: the name of the rank's query position table (HCA's
+    reference calls it query_positions)."""
+    rows = tables.key_rows(v[positions], v["overlay_active_lengths"], v["predecessor_segments"],
                            v["segment_starts_t"], ctx.case.window, v["kv_cache"][..., 0, 0].numel())
     return {"swa_key_rows": rows}
 
 
-def _project(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+def project(ctx: RankContext, v: Values, positions: str = "query_position_ids") -> dict[str, torch.Tensor]:
+    """The project stage; `positions` as in `key_table`. x_normed is what a compressor reads."""
     m = ctx.model
     x = v["x_hc"].reshape(-1, m.hc_mult, m.hidden_size)
     x_mixed, post, comb = hc.hc_pre(x, v["hc_attn_fn"], v["hc_attn_scale"], v["hc_attn_base"], m)
     normed = qkv.rms_norm(x_mixed, v["attn_norm_w"], m.rms_norm_eps)
-    pos = v["query_position_ids"].reshape(-1).long()
+    pos = v[positions].reshape(-1).long()
     cos, sin = v["freqs_cos"][pos], v["freqs_sin"][pos]
     q, kv, _, _ = qkv.qkv_proj_rope(normed, v["wq_a"], v["wq_b"], v["wq_b_scale"], v["wkv"], cos, sin,
                                     v["gamma_cq"], v["gamma_ckv"], m)
-    return {"q": q, "kv": kv, "post": post, "comb": comb, "rope_cos": cos, "rope_sin": sin}
+    return {"q": q, "kv": kv, "x_normed": normed, "post": post, "comb": comb, "rope_cos": cos, "rope_sin": sin}
+
+
+def part_tails(rows: torch.Tensor, overlay_active_lengths: torch.Tensor, win: int) -> torch.Tensor:
+    """[2·WIN, C]: the last ≤ WIN of each part's rows (rows: the rank's layout rows [2·tiles·WIN,
+    C]), zero-padded."""
+    rows = rows.reshape(tables.LOCAL_PARTS, MAX_SEGMENT_TILES * win, -1)
+    tail = torch.zeros(tables.LOCAL_PARTS, win, rows.shape[-1], dtype=rows.dtype)
+    lengths = overlay_active_lengths[..., 1].sum(dim=1)  # each part's segment length
+    for p in range(tables.LOCAL_PARTS):
+        n = int(lengths[p])
+        start = max(0, n - win)
+        tail[p, : n - start] = rows[p, start:n]
+    return tail.reshape(tables.LOCAL_PARTS * win, -1)
 
 
 def _local_tails(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
     """local_kv_tail [2·WIN, HD]: the last ≤ WIN rows of each part's segment, zero-padded."""
-    win = ctx.case.window
-    kv = v["kv"].reshape(tables.LOCAL_PARTS, MAX_SEGMENT_TILES * win, -1)
-    tail = torch.zeros(tables.LOCAL_PARTS, win, kv.shape[-1], dtype=kv.dtype)
-    lengths = v["overlay_active_lengths"][..., 1].sum(dim=1)  # each part's segment length
-    for p in range(tables.LOCAL_PARTS):
-        n = int(lengths[p])
-        start = max(0, n - win)
-        tail[p, : n - start] = kv[p, start:n]
-    return {"local_kv_tail": tail.reshape(tables.LOCAL_PARTS * win, -1)}
+    return {"local_kv_tail": part_tails(v["kv"], v["overlay_active_lengths"], ctx.case.window)}
 
 
 def _tail_exchange(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
@@ -117,9 +125,9 @@ def stages() -> tuple[Stage, ...]:
     return (
         Stage("project", ("x_hc", *FRONT, "freqs_cos", "freqs_sin", "query_position_ids"),
               (judged(bf16_close("q")), judged(bf16_close("kv")), judged(fp32_close("post")),
-               judged(fp32_close("comb")), judged(exact("rope_cos")), judged(exact("rope_sin"))), _project),
+               judged(fp32_close("comb")), judged(exact("rope_cos")), judged(exact("rope_sin"))), project),
         Stage("key_table", ("query_position_ids", "overlay_active_lengths", "predecessor_segments",
-                            "segment_starts_t", "kv_cache"), (judged(exact("swa_key_rows")),), _key_table),
+                            "segment_starts_t", "kv_cache"), (judged(exact("swa_key_rows")),), key_table),
         Stage("local_tails", ("kv", "overlay_active_lengths"), (judged(exact("local_kv_tail"), bf16_close("local_kv_tail")),),
               _local_tails),
         Stage("tail_exchange", ("local_kv_tail", "reverse_index"),

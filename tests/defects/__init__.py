@@ -58,6 +58,11 @@ from .prefill_defects import (
     PrefillDroppedKeys,
     PrefillAllGatherRingOrder,
     PrefillTailsInRankMajorOrder,
+    PrefillHCALocalRopePositions,
+    PrefillHCAWindowFromOwnRowsOnly,
+    PrefillHCAWindowFromPredecessorOnly,
+    PrefillHCAStateOnOwnerOnly,
+    PrefillHCACompressedRowsOnOwnerOnly,
 )
 from .process_faults import (
     ExitOnRank1,
@@ -138,6 +143,11 @@ __all__ = [
     "PrefillDroppedKeys",
     "PrefillAllGatherRingOrder",
     "PrefillTailsInRankMajorOrder",
+    "PrefillHCALocalRopePositions",
+    "PrefillHCAWindowFromOwnRowsOnly",
+    "PrefillHCAWindowFromPredecessorOnly",
+    "PrefillHCAStateOnOwnerOnly",
+    "PrefillHCACompressedRowsOnOwnerOnly",
     "ExitOnRank1",
     "Rank1DiesThenRank0Fails",
     "SlowToExitOnRank1",

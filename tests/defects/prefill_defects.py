@@ -82,3 +82,79 @@ class PrefillTailsInRankMajorOrder(StageDefect):
     def defective(self, stage, ctx, v):
         index = v["reverse_index"]
         return stage.run(ctx, {**v, "reverse_index": torch.arange(index.shape[-1], dtype=index.dtype).expand_as(index)})
+
+
+# -- context-parallel prefill, HCA: the compressor's windows and the compact exchange --------------
+class PrefillHCALocalRopePositions(PrefillLocalRopePositions):
+    """HCA: RoPE of Q and KV at the rank-local row index (its position table is `query_positions`)."""
+
+    def defective(self, stage, ctx, v):
+        from types import SimpleNamespace
+
+        renamed = SimpleNamespace(run=lambda c, vals: stage.run(c, {**vals, "query_positions": vals["query_position_ids"]}))
+        return super().defective(renamed, ctx, {**v, "query_position_ids": v["query_positions"]})
+
+
+class PrefillHCAWindowFromOwnRowsOnly(StageDefect):
+    """HCA: a pooling window that straddles into earlier segments reads zeros there (no
+    exchanged hidden tails), as if every block started in the segment that ends it."""
+
+    stages = ("compressor",)
+
+    def defective(self, stage, ctx, v):
+        return stage.run(ctx, {**v, "logical_hidden_tails": torch.zeros_like(v["logical_hidden_tails"])})
+
+
+class PrefillHCAWindowFromPredecessorOnly(StageDefect):
+    """HCA: the reference's scratch pool: a pooling window reads the immediate predecessor's
+    hidden tail only, so a window reaching two segments back reads zeros there."""
+
+    stages = ("compressor",)
+
+    def defective(self, stage, ctx, v):
+        tails = v["logical_hidden_tails"]
+        outs = []
+        for part in range(2):
+            pred = int(v["predecessor_segments"][part])
+            kept = torch.zeros_like(tails)
+            if pred >= 0:
+                kept[pred] = tails[pred]
+            outs.append(stage.run(ctx, {**v, "logical_hidden_tails": kept}))
+        rows = outs[0]["local_cmp_payload"].shape[0] // 2  # part p's rows come from run p
+        merged = {n: outs[0][n].clone() for n in outs[0]}
+        for n in ("local_cmp_payload", "local_cmp_meta"):
+            merged[n][rows:] = outs[1][n][rows:]
+        final = int(v["final_segment_t"][0])
+        if int(v["predecessor_segments"][1]) + 1 == final:
+            for n in ("local_state_payload", "local_state_meta"):
+                merged[n] = outs[1][n]
+        return merged
+
+
+class PrefillHCAStateOnOwnerOnly(StageDefect):
+    """HCA: only the final segment's owner commits the last compressor-state rows."""
+
+    stages = ("compact_exchange",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import tables
+
+        before = v["compress_state"].clone()
+        out = stage.run(ctx, v)
+        if tables.owner(ctx.case, ctx.case.num_segments - 1)[0] != ctx.rank:
+            out["compress_state"].copy_(before)
+        return out
+
+
+class PrefillHCACompressedRowsOnOwnerOnly(StageDefect):
+    """HCA: each rank commits only the compressed rows it made itself (no compact exchange of them)."""
+
+    stages = ("compact_exchange",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import hca
+
+        out = stage.run(ctx, {**v, "local_cmp_meta": torch.full_like(v["local_cmp_meta"], -1)})  # no row sent
+        no_state = (v["local_state_payload"][None][:0], v["local_state_meta"][None][:0])
+        return hca.commit_compact({**v, **out}, v["local_cmp_payload"][None], v["local_cmp_meta"][None], *no_state,
+                                  ctx.model.c128_state_block_size)
