@@ -65,8 +65,7 @@ from typing import ClassVar
 import torch
 
 from . import output_half
-from ..swa import layer as swa
-from ..components import o_proj
+from ..components import attention, o_proj
 from ..components.numerics import bf16
 from ..contract.case import Case
 from ..contract.checks import AllcloseCheck, Check, ExactCheck, PrefixTailCheck
@@ -270,7 +269,7 @@ class OutputScope(_Scope, StagedLayer):
 
 
 def _output_attention(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
-    return {"o": swa.swa_attention(ctx.model, v["q"], v["kv_cache"], v["swa_indices"], v["swa_lens"], v["attn_sink"])}
+    return {"o": attention.window_attention(ctx.model, v["q"], v["kv_cache"], v["swa_indices"], v["swa_lens"], v["attn_sink"])}
 
 
 def _output_half(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:

@@ -103,6 +103,24 @@ def sparse_attention(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def window_attention(
+    model: ModelConfig,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    swa_indices: torch.Tensor,
+    swa_lens: torch.Tensor,
+    attn_sink: torch.Tensor,
+) -> torch.Tensor:
+    """Window attention (swa.md §3.5): o fp32 [T, H, HD] of q [T, H, HD] over each token's window.
+
+    Key k of token t is valid iff `k < swa_lens[t]` and `swa_indices[t, k] >= 0` (the
+    golden's rule; the kernel masks by lens only, §12.1).
+    """
+    kv, valid = gather_rows(kv_cache, swa_indices)  # [T, WIN, HD], [T, WIN]
+    in_window = torch.arange(swa_indices.shape[1], device=swa_lens.device)[None, :] < swa_lens[:, None]
+    return sparse_attention(q, kv, valid & in_window, attn_sink, model.softmax_scale)
+
+
 def _attend_chunk(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -165,5 +183,5 @@ def pack_heads(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model: Mod
     return heads.reshape(t, model.o_groups, model.group_in).transpose(0, 1).contiguous()
 
 
-__all__ = ["NEG_INF", "ATTN_K_TILE", "exp_rounded_from_fp64", "gather_rows", "zero_rows_", "sparse_attention",
+__all__ = ["NEG_INF", "ATTN_K_TILE", "exp_rounded_from_fp64", "gather_rows", "zero_rows_", "sparse_attention", "window_attention",
            "pack_heads"]

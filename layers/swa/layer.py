@@ -25,31 +25,13 @@ from ..contract.staged import bf16_close, exact, judged
 
 
 # -- the layer's own step (§3.5; the cache insert of §3.4 is components.kv_cache) ---------------------------------------------------------
-def swa_attention(
-    model: ModelConfig,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    swa_indices: torch.Tensor,
-    swa_lens: torch.Tensor,
-    attn_sink: torch.Tensor,
-) -> torch.Tensor:
-    """Window attention (§3.5): o fp32 [T, H, HD] of q [T, H, HD] over each token's window.
-
-    Key k of token t is valid iff `k < swa_lens[t]` and `swa_indices[t, k] >= 0` (the
-    golden's rule; the kernel masks by lens only, §12.1).
-    """
-    kv, valid = attention.gather_rows(kv_cache, swa_indices)  # [T, WIN, HD], [T, WIN]
-    in_window = torch.arange(swa_indices.shape[1], device=swa_lens.device)[None, :] < swa_lens[:, None]
-    return attention.sparse_attention(q, kv, valid & in_window, attn_sink, model.softmax_scale)
-
-
 def _cache_insert(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
     write_rows(v["kv_cache"], v["swa_slot_mapping"], v["kv"])
     return {"kv_cache": v["kv_cache"]}
 
 
 def _attention(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
-    return {"o": swa_attention(ctx.model, v["q"], v["kv_cache"], v["swa_indices"], v["swa_lens"], v["attn_sink"])}
+    return {"o": attention.window_attention(ctx.model, v["q"], v["kv_cache"], v["swa_indices"], v["swa_lens"], v["attn_sink"])}
 
 
 class SWALayer(AttentionLayer):
@@ -134,4 +116,4 @@ def golden_decode_swa_tp1(model: ModelConfig, tensors: dict[str, torch.Tensor]) 
     return LAYER.golden(Case("swa", model, 1, local_t, 0), tensors)
 
 
-__all__ = ["SWALayer", "LAYER", "swa_attention", "golden_decode_swa_tp1"]
+__all__ = ["SWALayer", "LAYER", "golden_decode_swa_tp1"]

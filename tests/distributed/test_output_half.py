@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layers.swa import layer as swa
 from layers.components import attention
+from layers.swa import layer as swa
 from layers.components import o_proj as output_half
 from layers.components.numerics import bf16
 from layers.contract.case import Case
@@ -151,7 +151,7 @@ def test_window_attention_and_projection_closed_form():
     indices = torch.arange(win, dtype=torch.int32).repeat(t, 1)
     lens = torch.full((t,), win, dtype=torch.int32)
     sink = 4 + 0.125 * (torch.arange(h) % hpg).float()
-    o = swa.swa_attention(m, q, cache, indices, lens, sink)
+    o = attention.window_attention(m, q, cache, indices, lens, sink)
     cos = torch.ones(t, m.qk_rope_head_dim, dtype=torch.bfloat16)
     sin = torch.zeros(t, m.qk_rope_head_dim, dtype=torch.bfloat16)
     packed = attention.pack_heads(o, cos, sin, m)

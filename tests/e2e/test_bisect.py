@@ -21,7 +21,6 @@ from launcher.run.bisect import OUTPUTS_STAGE, bisect_rank, gather_bisect, golde
 from layers.distributed.golden_walk import every_rank
 from layers import stages, tp
 from layers.hca import layer as hca
-from layers.swa import layer as swa
 from layers.components import attention, hc, qkv
 from layers.components import o_proj as output_half
 from layers.components.hca_compressor import rope_compressed
@@ -177,7 +176,7 @@ class OwnPipeline:
             x["gamma_cq"], x["gamma_ckv"], m,
         )  # fmt: skip
         write_rows(x["kv_cache"], x["swa_slot_mapping"], kv)
-        o = swa.swa_attention(m, q, x["kv_cache"], x["swa_indices"], x["swa_lens"], x["attn_sink"])
+        o = attention.window_attention(m, q, x["kv_cache"], x["swa_indices"], x["swa_lens"], x["attn_sink"])
         attention_grouped = attention.pack_heads(o, x["freqs_cos"], x["freqs_sin"], m)
         attention_local_groups = collectives.group_all_to_all(ctx, attention_grouped)
         scale = torch.ones_like(x["wo_b_scale"]) if ctx.rank == 0 else x["wo_b_scale"]
