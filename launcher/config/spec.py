@@ -236,14 +236,18 @@ def _case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str):
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSchema) if f.default is not dataclasses.MISSING}
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig) -> RunSpec | None:
     """What `validated_spec` refuses without a layer's compute (torch-free): every key's value
     and the case's own rules (`layers.registry.check_case`), so that such a refusal imports no
-    torch. A replay's case is its snapshot's, read by `validated_spec`: only the keys that
+    torch; the RunSpec so read (to show, not to run: no output folder, no tolerances), or None
+    for a replay, whose case is its snapshot's, read by `validated_spec`: only the keys that
     cannot go together are checked here."""
     _performance(cfg)
-    if not cfg.golden_data:
-        check_case(run_spec(cfg, os.devnull).case)
+    if cfg.golden_data:
+        return None
+    spec = run_spec(cfg, os.devnull)
+    check_case(spec.case)
+    return spec
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,
