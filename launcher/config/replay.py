@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from layers.contract.config import ConfigError, ModelConfig
-from layers.registry import CASE_TYPES, PHASE_CASES, AnyCase, whole_requests
+from layers.registry import CASE_TYPES, PHASE_CASES, AnyCase, get_scope, whole_requests
 
 from launcher.config.overrides import override_keys
 
