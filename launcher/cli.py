@@ -39,6 +39,7 @@ from launcher import sweep_config
 from launcher.config import output_dirs
 from launcher.config.schema import refused_overrides
 from launcher.config.slurm import node_output_dir
+from launcher.config.spec import check_config
 from launcher.report import progress
 from launcher.report.exit_codes import EXIT_ERROR, EXIT_PASS
 from launcher.run import import_gc, tee
@@ -49,15 +50,17 @@ if TYPE_CHECKING:
 
 
 class RunStart(Callback):
-    """A run or a sweep starts: its modules are imported (`launcher.job`: torch, the layers), a
-    single run's config is checked (a refusal is one error line, before any folder exists), and
-    the output folder is created before Hydra does and claimed for this launcher
+    """A run or a sweep starts: a single run's config is checked as far as it can be without
+    torch (`launcher.config.spec.check_config`), its modules are imported (`launcher.job`:
+    torch, the layers), it is checked whole (a refusal is one error line, before any folder
+    exists), and the output folder is created before Hydra does and claimed for this launcher
     (`launcher.config.output_dirs.claim`, this node's folder of a Slurm job): one that cannot be
     created or written, whose disk is (nearly) full, or that another launcher holds, is refused
     with one line and exit status 2, before Hydra writes anything into it."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         progress.composition_done()  # the error line goes to the terminal
+        _check_config(config)
         _import_the_run().check_before_folder(config)
         _create_output_folder(config, "hydra.run.dir")
 
@@ -65,6 +68,16 @@ class RunStart(Callback):
         _import_the_run()  # imported, it also tells final_status that a sweep started
         progress.composition_done()
         _create_output_folder(config, "hydra.sweep.dir")
+
+
+def _check_config(config: DictConfig) -> None:
+    """A config that its own keys and case refuse is refused here, one error line, before the
+    run's modules (torch, the layers' compute) are imported; the rest is the preflight's."""
+    try:
+        check_config(config)
+    except (ConfigError, OmegaConfBaseException) as e:  # a value that cannot be read is a config error too
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR) from None
 
 
 def _import_the_run():

@@ -6,8 +6,8 @@ that did not pass.
     python -m launcher.sweep rerun multirun/2026-12-03/10-00-00 [--list] [--into DIR] [OVERRIDES...]
 
 `list` expands the multirun as Hydra's basic sweeper does (a sweep file's params, then the
-command line) and checks each job as the launcher's preflight would, starting nothing; exit 2
-when a job would be refused. `rerun` runs the jobs whose verdict was FAIL, ERROR or SKIP one
+command line) and checks each job's keys and case as a run first checks them (torch-free),
+starting nothing; exit 2 when a job would be refused. `rerun` runs the jobs whose verdict was FAIL, ERROR or SKIP one
 after another (`python -m launcher JOB'S OVERRIDES OVERRIDES...`) into a sweep folder of its
 own (`DIR`, default `<sweep dir>/rerun-<date>-<time>`), which gets its summary.json, junit.xml
 and table as any sweep does; exit status the worst rerun job's. `--list` names them only.
@@ -34,6 +34,7 @@ from layers.contract.config import ConfigError
 
 from launcher.config.output_dirs import fresh_dir
 from launcher.config.schema import refused_overrides
+from launcher.config.spec import check_config
 from launcher.config.sweep_jobs import expand_jobs
 from launcher.report.console import case_label, table_lines
 from launcher.report.result import EXIT_ERROR, EXIT_PASS, write_result
@@ -72,12 +73,18 @@ def planned(args: list[str]) -> list[list[str]]:
 
 
 def _check(overrides: list[str]) -> tuple[str, str]:
-    """A job's case as the preflight reads it, or why it would be refused. The preflight reads
-    the layers' rules, which import torch: imported here, for `list` alone."""
-    from launcher.run.preflight import preflight
-
+    """A job's case as its config and the case's own rules read it (torch-free:
+    `launcher.config.spec.check_config`), or why they refuse it; what the layer's fixtures,
+    the tolerances, the implementation and the machine refuse is the job's run's to say. A
+    replay's job is read with its snapshot by the preflight, which imports torch: here, for it
+    alone."""
     try:
-        spec = preflight(_compose(overrides), output_dir=os.devnull)
+        cfg = _compose(overrides)
+        spec = check_config(cfg)
+        if spec is None:
+            from launcher.run.preflight import preflight
+
+            spec = preflight(cfg, output_dir=os.devnull)
     except (ConfigError, OmegaConfBaseException, Exception) as e:  # Hydra's refusals are plain exceptions
         return "refused", " ".join(str(e).split())
     c = spec.case

@@ -13,7 +13,7 @@ the names `stage_tensors` lists, beside its outputs.
 
 from __future__ import annotations
 
-from .block import BlockLayer
+from .block.layer import BlockLayer
 from .contract.case import Case
 from .contract.config import ConfigError
 from .contract.stage import Stage

@@ -17,7 +17,7 @@ import torch
 
 from .contract.context import RankContext
 from .contract.stage import Stage, Values
-from .block import BlockLayer
+from .block.layer import BlockLayer
 from .registry import layer_of
 from .contract.staged import StagedLayer
 

@@ -31,6 +31,7 @@ COMMANDS = {
     "help": ["-m", "launcher", "--help"],
     "cfg": ["-m", "launcher", "--cfg", "job"],
     "refused key": ["-m", "launcher", "layr=swa", "hydra.run.dir={tmp}/refused"],
+    "refused case": ["-m", "launcher", "layer=csa", "tp=3", "hydra.run.dir={tmp}/refused"],
     "sweep list": ["-m", "launcher.sweep", "list", "layer=swa,csa", "tp=1,2", "model=tiny"],
     "compare": ["-m", "launcher.compare", "{run}", "{run}"],
 }

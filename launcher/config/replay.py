@@ -20,15 +20,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from layers.contract.config import ConfigError, ModelConfig
-from layers.contract.layer import Layer
-from layers.registry import CASE_TYPES, PHASE_CASES, AnyCase, get_scope
+from layers.registry import CASE_TYPES, PHASE_CASES, AnyCase, get_scope, whole_requests
 
 from launcher.config.overrides import override_keys
+
+if TYPE_CHECKING:
+    from layers.contract.layer import Layer
 
 # The keys a snapshot can fix (each case class's `snapshot_keys`); `model.<field>` keys are read
 # as the model key too.
@@ -196,7 +198,7 @@ def _local_t(case: AnyCase, replayed: AnyCase, facts: SnapshotFacts, given: froz
         return facts.local_t.value
     if "local_t" in given:
         return case.local_t
-    whole = get_scope(replayed.layer, replayed.scope).whole_requests
+    whole = whole_requests(replayed.layer, replayed.scope)
     return type(case).default_local_t(replayed.model, replayed.group_size, whole)
 
 

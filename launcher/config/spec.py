@@ -6,8 +6,9 @@ from the config keys: `from_config`); `validated_spec` takes the case a replayed
 snapshot fixes (`launcher.config.replay`), validates the case once (its TP or EP rules, then
 its layer's) and reads the run's tolerances (`launcher.config.tolerance`). What only the
 machine can tell (devices, ports, the snapshot's files, an importable implementation) is
-checked next by `launcher.run.preflight`. `config_case` is the same config's case for a run
-refused before a RunSpec exists, each key read on its own.
+checked next by `launcher.run.preflight`. `check_config` is what needs no layer's compute (a
+run's first check, before torch is imported). `config_case` is the same config's case for a
+run refused before a RunSpec exists, each key read on its own.
 
 RunSpec is plain dataclasses, picklable, no OmegaConf: it is what every rank receives.
 """
@@ -19,13 +20,13 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from layers.contract.config import ConfigError, ModelConfig
-from layers.contract.layer import Layer
-from layers.registry import PHASE_CASES, PHASES, AnyCase, case_type, get_scope, layer_of, validated
+from layers.registry import (PHASE_CASES, PHASES, AnyCase, case_type, check_case, check_scope, layer_of, validated,
+                             whole_requests)
 
 from launcher.config.fault_config import Fault
 from launcher.config.fault_config import check_unset as check_fault_unset
@@ -36,6 +37,9 @@ from launcher.config.replay import (SnapshotFacts, facts_entry, given_keys, repl
 from launcher.config.schema import RunSchema, layer_groups, layer_keys, with_layer
 from launcher.config.slurm import node_keys, slurm_step
 from launcher.config.tolerance import Tolerances, read_tolerances
+
+if TYPE_CHECKING:
+    from layers.contract.layer import Layer
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -145,7 +149,7 @@ def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:
     model_fields = OmegaConf.to_container(cfg.model, resolve=True)
     model = ModelConfig(**model_fields)
     layer_name, scope = str(cfg.layer.name), str(cfg.scope)
-    get_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
+    check_scope(layer_name, scope)  # an unknown layer or scope is a ConfigError here
     case = _case(cfg, model, layer_name, scope)
     group = case.group_size
     dp = int(cfg.dp)
@@ -225,11 +229,25 @@ def _case(cfg: DictConfig, model: ModelConfig, layer: str, scope: str):
         if given:
             raise ConfigError(f"{given[0]}={cfg[given[0]]} is a key of phase={phase}; leave it out of a "
                               f"{cfg.phase} run")
-    return kind.from_config(cfg, model, layer, scope, get_scope(layer, scope).whole_requests)
+    return kind.from_config(cfg, model, layer, scope, whole_requests(layer, scope))
 
 
 # The run config's own defaults (RunSchema), against which a phase's keys count as given.
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSchema) if f.default is not dataclasses.MISSING}
+
+
+def check_config(cfg: DictConfig) -> RunSpec | None:
+    """What `validated_spec` refuses without a layer's compute (torch-free): every key's value
+    and the case's own rules (`layers.registry.check_case`), so that such a refusal imports no
+    torch; the RunSpec so read (to show, not to run: no output folder, no tolerances), or None
+    for a replay, whose case is its snapshot's, read by `validated_spec`: only the keys that
+    cannot go together are checked here."""
+    _performance(cfg)
+    if cfg.golden_data:
+        return None
+    spec = run_spec(cfg, os.devnull)
+    check_case(spec.case)
+    return spec
 
 
 def validated_spec(cfg: DictConfig, output_dir: str, *, overrides: Sequence[str] | None = None,

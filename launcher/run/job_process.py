@@ -37,7 +37,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from launcher.config.job_slot import runs_in_a_pool
-from launcher.run import lifeline, rank_group
+from launcher.run import lifeline
 
 # The pid of the sweep's launcher process, set there before its pool starts any worker.
 SWEEP_PID_ENV = "DSV4_TP_SWEEP_PID"
@@ -113,6 +113,10 @@ def _serve(conn, parent: int) -> None:
     """The job process's life: jobs from `conn` until the worker is gone, each with the logging
     and working folder the worker set up for it and the warm ranks of its earlier jobs (`pool`);
     then they leave and it ends."""
+    # Imported here, in a sweep's job process: Hydra makes this module's callback for every
+    # run, also one its config refuses, which must not import torch (rank_group's).
+    from launcher.run import rank_group
+
     pool = rank_group.GroupPool()
     try:
         lifeline.die_with_parent(parent)

@@ -172,7 +172,6 @@ class OutputScope(_Scope, StagedLayer):
 
     scope = "output"
     sharded_o_weights = True
-    whole_requests = False
 
     def validate(self, case: Case) -> None:
         m = case.model
@@ -317,7 +316,6 @@ class CollectivesScope(_Scope, Layer):
 
     scope = "collectives"
     sharded_o_weights = False
-    whole_requests = False
 
     def validate(self, case: Case) -> None:
         """Every case that passes `Case.validate` runs."""

@@ -28,9 +28,6 @@ class Layer(abc.ABC):
     # The golden projects with the full O weights (`full_o_weights`) in place of the rank's
     # shards; a focused scope without a sharded projection sets False.
     sharded_o_weights: ClassVar[bool] = True
-    # local_t is whole requests in whole 8-row tiles; a scope over plain buffer rows (output,
-    # collectives) takes any local_t in [1, capacity] (`Case.validate`).
-    whole_requests: ClassVar[bool] = True
     # A golden that reads every rank's data (the MoE routes, through the harness's all-gather:
     # `rank_golden`) is computed by the group together, so the golden cache serves it only
     # where every rank of the group holds its entry.

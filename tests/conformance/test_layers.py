@@ -24,7 +24,7 @@ from layers.contract.config import ConfigError
 from layers.contract.context import RankContext
 from layers.contract.tensors import Kind
 from layers.declared import declaration
-from layers.registry import LAYERS, validated
+from layers.registry import LAYERS, get_layer, validated
 from launcher.store.snapshot_layer import kind_of
 
 from .. import defects
@@ -85,7 +85,7 @@ def stacked_fixture(layer):
 @functools.cache
 def one_rank_golden(name: str):
     """A layer, its case on one rank, that rank's inputs and the golden of them (read only)."""
-    layer = LAYERS[name]
+    layer = get_layer(name)
     case = one_rank(canonical_case(name))
     validated(case)
     inputs = layer.rank_inputs(case, 0)
@@ -115,7 +115,7 @@ def test_the_golden_moves_what_it_compares(one_rank_run):
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_rank_slices_follow_the_specs_and_the_stacked_fixture(name):
-    layer = LAYERS[name]
+    layer = get_layer(name)
     case = canonical_case(name)
     size = case.group_size
     assert size > 1, "the canonical case must have a group to slice"
@@ -146,7 +146,7 @@ def test_rank_slices_follow_the_specs_and_the_stacked_fixture(name):
 def test_the_declaration_reads_the_case_back_from_the_tensor_shapes(name):
     """A snapshot of the layer is recognised as it by its tensor names, its group size is the
     declared key, and each declared model field read from the rank-stacked shapes is the model's."""
-    case, layer, decl = canonical_case(name), LAYERS[name], declaration(name)
+    case, layer, decl = canonical_case(name), get_layer(name), declaration(name)
     specs = layer.tensor_specs(case)
     assert kind_of(set(specs)) == decl and decl.group_key in GROUP_SIZES and hasattr(case, decl.group_key)
     group = getattr(case, decl.group_key)
@@ -173,7 +173,7 @@ def test_a_layer_without_a_snapshot_declaration_refuses_snapshots(name, tmp_path
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_checks_follow_the_validation_order(name):
     """One check per compared tensor, in the order the spec lists them (in-outs, then outputs)."""
-    layer = LAYERS[name]
+    layer = get_layer(name)
     case = canonical_case(name)
     specs = layer.tensor_specs(case)
     compared = [n for n, s in specs.items() if s.kind is not Kind.INPUT]
@@ -186,8 +186,8 @@ def test_checks_follow_the_validation_order(name):
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_validate_accepts_the_canonical_case_and_its_one_rank_group(name):
     case = canonical_case(name)
-    assert validated(case) is LAYERS[name]
-    assert validated(one_rank(case)) is LAYERS[name]
+    assert validated(case) is get_layer(name)
+    assert validated(one_rank(case)) is get_layer(name)
 
 
 def bad_values(case):

@@ -57,7 +57,12 @@ def _said(stderr: str) -> list[str]:
     (["tpp=2"], None, EXIT_ERROR),
     (["tp=abc"], None, EXIT_ERROR),
     (["model=huge"], None, EXIT_ERROR),
-], ids=["help", "cfg", "sweep-cfg", "completion", "plus-typo", "typo", "bad-value", "bad-option"])
+    (["layer=csa", "tp=3"], None, EXIT_ERROR),
+    (["layer=moe", "ep=99"], None, EXIT_ERROR),
+    (["layer=moe", "scope=output"], None, EXIT_ERROR),
+    (["phase=prefill", "layer=csa"], None, EXIT_ERROR),
+], ids=["help", "cfg", "sweep-cfg", "completion", "plus-typo", "typo", "bad-value", "bad-option", "tp-rule", "ep-rule",
+        "scope-rule", "phase-rule"])
 def test_what_only_prints_or_refuses_never_imports_torch(tmp_path, args, env, code):
     p = _launcher(args, tmp_path, env)
     assert p.returncode == code, p.stdout + "\n".join(_said(p.stderr))
@@ -78,9 +83,11 @@ def test_compare_reads_results_without_importing_torch(tmp_path):
     (["--help"], 0, "usage: python -m launcher.sweep"),
     (["rerun", "SWEEP", "--list"], 0, "job 1 FAIL: layer=csa tp=2"),
     (["rerun", "nowhere"], EXIT_ERROR, "is not a sweep folder"),
-], ids=["help", "rerun-list", "rerun-refused"])
+    (["list", "layer=swa,hca", "tp=1,3", "model=tiny"], EXIT_ERROR, "job 3 refused: tp=3 must divide o_groups=8"),
+    (["list", "+sweep=smoke"], 0, "sweep: 6 jobs, 0 would be refused"),
+], ids=["help", "rerun-list", "rerun-refused", "list-refused", "list"])
 def test_sweep_housekeeping_that_runs_no_job_never_imports_torch(tmp_path, args, code, said):
-    # Only `list` checks jobs against the layers' rules; help and a rerun's own work read files.
+    # help and a rerun's own work read files; `list` checks each job's keys and case rules.
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "summary.json").write_text('{"jobs": [{"job": 0, "verdict": "PASS", "overrides": ["layer=swa"]},'
