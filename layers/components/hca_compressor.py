@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from ..contract.config import ModelConfig
+from ..contract.config import HCA_COMPRESS_RATIO, ModelConfig
 from .numerics import bf16, f32
 
-COMPRESS_RATIO = 128
+COMPRESS_RATIO = HCA_COMPRESS_RATIO
 
 
 def out_dim(model: ModelConfig) -> int:

@@ -32,6 +32,10 @@ MOE_LOCAL_EXPERTS = 16
 # The device's score-routing sort pads a row of scores to 256 (SCORE_PAD): E = 16·P <= 256.
 MOE_MAX_EP = 16
 
+# Positions pooled into one compressed row by HCA's compressor (hca.md): a constant of the
+# layer, not a model field; here so that case rules read it without the compressor's torch.
+HCA_COMPRESS_RATIO = 128
+
 
 # The integer fields that may be 0 (a start position, YaRN off, no shared-expert or hash
 # layers); every other one is a size or a count, at least 1.

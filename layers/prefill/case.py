@@ -12,9 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..components.hca_compressor import COMPRESS_RATIO
 from ..contract.case import group_seed
-from ..contract.config import ConfigError, ModelConfig
+from ..contract.config import HCA_COMPRESS_RATIO as COMPRESS_RATIO, ConfigError, ModelConfig
 
 LAYOUTS = ("zigzag", "contiguous")
 PREFILL_LAYERS = ("swa", "hca")  # the layers with a prefill stage list (layers/prefill/registry.py)
