@@ -102,7 +102,8 @@ def list_jobs(args: list[str]) -> int:
     refused = [(num, text) for num, (status, text) in enumerate(checks) if status == "refused"]
     for num, text in refused:
         print(f"job {num} refused: {text}")
-    print(f"sweep: {len(jobs)} jobs, {len(refused)} would be refused")
+    print(f"sweep: {len(jobs)} jobs, {len(refused)} would be refused (keys and case rules checked; each run also "
+          f"checks its layer's fixtures, the tolerances, impl and the devices)")
     return EXIT_ERROR if refused else EXIT_PASS
 
 

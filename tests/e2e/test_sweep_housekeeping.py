@@ -25,7 +25,7 @@ def test_list_names_and_checks_every_job_and_runs_none(tmp_path):
     assert lines[2].split()[:3] == ["1", "refused", "-"] and lines[2].endswith("layer=swa tp=3 model=tiny")
     assert lines[4].endswith("layer=hca tp=3 model=tiny")
     assert "job 3 refused: tp=3 must divide o_groups=8 of model 'tiny'" in p.stdout
-    assert "sweep: 4 jobs, 2 would be refused" in p.stdout
+    assert "sweep: 4 jobs, 2 would be refused (keys and case rules checked; each run also checks" in p.stdout
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()  # nothing ran
 
 
