@@ -48,6 +48,17 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="module")
+def two_threads():
+    """Torch's threads as the reference snapshots were made with: MKL splits its fp32 GEMMs by them."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def reference_snapshot(layer: str) -> Path:
     """The shipped reference snapshot of a layer: swa, csa, hca at tp=2, local_t=32, model=mini;
     moe at ep=2, layer_id=4, num_tokens=96, model=tiny."""

@@ -40,14 +40,6 @@ def snapshot():
     return load("in"), load("out")
 
 
-@pytest.fixture(scope="module")
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def rank_tensors(inp: dict, rank: int) -> dict[str, torch.Tensor]:
     """Rank r's slice with the full O weights (validation.md §5.3)."""
     tensors = {n: v[rank].clone() for n, v in inp.items() if v.dim() > 0}

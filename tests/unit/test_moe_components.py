@@ -25,14 +25,6 @@ from layers.contract.tensors import Kind
 from layers.moe import fixture
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # the threads the reference snapshot was made with (§12)
-    yield
-    torch.set_num_threads(before)
-
-
 def _load(folder):
     return {p.stem: torch.load(p, weights_only=True) for p in sorted(folder.glob("*.pt"))}
 

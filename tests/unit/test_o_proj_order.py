@@ -39,14 +39,6 @@ def _x_out_bitwise() -> list[bool]:
     return same
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_blocks_of_128_reproduce_the_small_snapshots_x_out_bitwise(two_threads):
     assert _x_out_bitwise() == [True, True]
 

@@ -29,14 +29,6 @@ from ..one_pass_o_proj import use_one_pass_projection
 
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def _load(folder):
     return {p.stem: torch.load(p, weights_only=True) for p in sorted(folder.glob("*.pt"))}
 
