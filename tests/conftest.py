@@ -19,6 +19,21 @@ from launcher.run.forkserver import set_cpu_env
 # Before any GEMM of this process: goldens here must reproduce the reference snapshots bitwise.
 set_cpu_env()
 
+
+def _share_the_cores() -> None:
+    """Each xdist worker takes its share of the cores for torch's intra-op threads. With every
+    worker on every core, torch's threads outnumber the cores and spin at each small op's
+    barrier: on 2 loaded cores the in-process prefill cases took 6 to 8 times as long. A test
+    that needs a thread count (the reference snapshots' two) sets it itself (`two_threads`)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_the_cores()
+
 # The tests' goldens go to a folder of their own (one per test process, removed at its end),
 # never into the user's cache; every run started from here, CLI subprocesses included, inherits it.
 _GOLDEN_CACHE = tempfile.TemporaryDirectory(prefix="dsv4-tests-golden-")

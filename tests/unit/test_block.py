@@ -180,8 +180,8 @@ def test_two_tp_groups_of_two_agree_with_the_golden_that_one_process_computes():
         out, golden = rank_out["x_next"]
         assert torch.allclose(out, golden, rtol=1e-2, atol=1e-3)
         assert torch.equal(*rank_out["kv_cache"])
-    stacked = {n: torch.stack([BLOCK.rank_inputs(case, r)[n] for r in range(case.ep)])
-               for n in BLOCK.rank_inputs(case, 0)}
+    inputs = [BLOCK.rank_inputs(case, r) for r in range(case.ep)]
+    stacked = {n: torch.stack([rank[n] for rank in inputs]) for n in inputs[0]}
     want = BLOCK.golden(case, stacked)
     for r, rank_out in enumerate(ranks):
         for name, (_, golden) in rank_out.items():
