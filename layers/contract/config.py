@@ -35,9 +35,6 @@ MOE_MAX_EP = 16
 # Positions pooled into one compressed row by HCA's compressor (hca.md): a constant of the
 # layer, not a model field; here so that case rules read it without the compressor's torch.
 HCA_COMPRESS_RATIO = 128
-# Rows of one page of the CP prefill's raw-KV ring: the reference's prefill page (its mtp
-# BLOCK_SIZE), 128 positions in every preset, as its segments and window are.
-PREFILL_BLOCK_ROWS = 128
 
 
 # The integer fields that may be 0 (a start position, YaRN off, no shared-expert or hash
@@ -85,8 +82,9 @@ class ModelConfig:
     hca_state_physical_blocks: int = 256
     csa_state_physical_blocks: int = 260
     csa_inner_state_physical_blocks: int = 260
-    # Pages of the CP prefill's raw-KV ring (pages of 128 rows, `layers/prefill/case.py`): the
-    # reference's prefill deployment point holds 128, ceil(max_position_embeddings / 128).
+    # Pages of the CP prefill's raw-KV ring (of PREFILL_BLOCK_ROWS = 128 rows each,
+    # `layers/prefill/case.py`): the reference's prefill deployment point holds 128, one page per
+    # 128 RoPE positions.
     prefill_ori_block_num: int = 128
     # Context ceiling of the SWA and HCA layers (1 Mi tokens at HEAD; CSA uses
     # max_position_embeddings).
@@ -180,9 +178,6 @@ class ModelConfig:
             (self.index_head_dim & (self.index_head_dim - 1) == 0, "index_head_dim must be a power of two (Hadamard)"),
             (self.decode_seq >= 1, "decode_seq must be >= 1"),
             (self.decode_batch >= 1, "decode_batch must be >= 1"),
-            (self.prefill_ori_block_num * PREFILL_BLOCK_ROWS >= self.sliding_window,
-             f"prefill_ori_block_num={self.prefill_ori_block_num} pages of {PREFILL_BLOCK_ROWS} rows must hold "
-             f"one sliding window (the prefill's final window is committed to distinct rows)"),
         ]
         for ok, rule in rules + self._numeric_rules():
             if not ok:
@@ -335,4 +330,4 @@ def round_up(a: int, b: int) -> int:
     return ceil_div(a, b) * b
 
 
-__all__ = ["ConfigError", "ModelConfig", "PRESETS", "MOE_TOKENS", "MOE_LOCAL_EXPERTS", "MOE_MAX_EP", "PREFILL_BLOCK_ROWS", "FLASH", "DEMO", "PRO", "SMALL", "TINY", "MINI", "ceil_div", "round_up"]
+__all__ = ["ConfigError", "ModelConfig", "PRESETS", "MOE_TOKENS", "MOE_LOCAL_EXPERTS", "MOE_MAX_EP", "FLASH", "DEMO", "PRO", "SMALL", "TINY", "MINI", "ceil_div", "round_up"]

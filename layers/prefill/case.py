@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..contract.case import group_seed
-from ..contract.config import HCA_COMPRESS_RATIO as COMPRESS_RATIO, PREFILL_BLOCK_ROWS, ConfigError, ModelConfig
+from ..contract.config import HCA_COMPRESS_RATIO as COMPRESS_RATIO, ConfigError, ModelConfig
 
 LAYOUTS = ("zigzag", "contiguous")
 PREFILL_LAYERS = ("swa", "hca")  # the layers with a prefill stage list (layers/prefill/registry.py)
 SCOPES = ("full", "collectives")  # the whole step, or its CP exchange alone (layers/prefill/collectives.py)
 # Query tiles per segment (the reference's MAX_SEGMENT_TILES): a segment is 1..2 windows long.
 MAX_SEGMENT_TILES = 2
+# Rows of one page of the raw-KV ring: the reference's prefill page (its mtp BLOCK_SIZE), 128
+# positions in every preset, as the segments' window is; the model sets the pages
+# (`ModelConfig.prefill_ori_block_num`).
+PREFILL_BLOCK_ROWS = 128
 DEFAULT_CP = 2  # the CP size when `cp` is not given (the reference's default)
 
 
