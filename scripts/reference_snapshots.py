@@ -106,13 +106,16 @@ PREFILL_CONSTANTS = {"ORI_KV_BLOCK_NUM": 8}
 LONG_CONTEXT_MAX_SEQ_LEN = 16384
 
 
-def _configure(reference: str, fields: dict, constants: dict, tree: str = "deepseek_v4_flash_dspark",
-               marker: str = "decode_swa.py"):
+DECODE_TREE = ("deepseek_v4_flash_dspark", "decode_swa.py")  # a model tree and a file it must hold
+PREFILL_TREE = ("deepseek_v4_flash_mtp", "prefill_cp_swa.py")
+
+
+def _configure(reference: str, fields: dict, constants: dict, tree: tuple[str, str] = DECODE_TREE):
     """Import the reference's config (of its model tree `tree`) with these values in place; its
     model modules read them at their own import."""
-    model_dir = os.path.join(reference, "models", tree)
-    if not os.path.isfile(os.path.join(model_dir, marker)):
-        raise SystemExit(f"{reference} is not a pypto-lib checkout: {model_dir}/{marker} is missing")
+    model_dir = os.path.join(reference, "models", tree[0])
+    if not os.path.isfile(os.path.join(model_dir, tree[1])):
+        raise SystemExit(f"{reference} is not a pypto-lib checkout: {model_dir}/{tree[1]} is missing")
     os.environ["PYPTO_GOLDEN_NUM_THREADS"] = str(THREADS)
     # MKL's fp32 GEMMs on their AVX2 path in strict (reproducible) mode, as the harness's
     # ranks run them (launcher/run/forkserver.py); MKL reads it at its first GEMM.
@@ -128,7 +131,7 @@ def _configure(reference: str, fields: dict, constants: dict, tree: str = "deeps
     block = config.BLOCK_SIZE
     mpe = config.FLASH.max_position_embeddings
     config.DECODE_TOKENS = config.DECODE_BATCH * config.DECODE_SEQ
-    if hasattr(config, "PREFILL_ORI_MAX_BLOCKS"):  # the mtp tree: one table block per 128 positions
+    if tree == PREFILL_TREE:  # the mtp tree's formulas: one table block per 128 positions
         config.KV_ORI_TABLE_MAX_BLOCKS = (mpe + block - 1) // block
         config.KV_ORI_MAX_BLOCKS = config.KV_CMP_MAX_BLOCKS = config.KV_ORI_TABLE_MAX_BLOCKS
         config.IDX_CACHE_MAX_BLOCKS = config.KV_ORI_TABLE_MAX_BLOCKS
@@ -203,7 +206,7 @@ def _moe_case(reference: str):
 def _prefill_case(reference: str, layer: str):
     """A CP prefill layer's canonical case (zigzag, no history, segments of one window) at cp=2:
     its specs and the golden, the golden's context installed as the reference's __main__ does."""
-    config = _configure(reference, MODEL_FIELDS, PREFILL_CONSTANTS, "deepseek_v4_flash_mtp", "prefill_cp_swa.py")
+    config = _configure(reference, MODEL_FIELDS, PREFILL_CONSTANTS, PREFILL_TREE)
     module = _import(f"prefill_cp_{layer}", ["--cp", str(PREFILL_CP)])
     golden = getattr(module, f"golden_prefill_cp_{layer}")
     built = module.build_tensor_specs(PREFILL_CP)
@@ -212,7 +215,7 @@ def _prefill_case(reference: str, layer: str):
     record = {"made_by": f"pypto-lib models/deepseek_v4_flash_mtp/prefill_cp_{layer}.py: "
                          f"build_tensor_specs and golden_prefill_cp_{layer}",
               "layer": layer, "phase": "prefill", "cp": PREFILL_CP, "cp_layout": "zigzag",
-              "seed": "the builder's own torch.manual_seed(4100 + 31 * cp)"}
+              "seeded_by": "the builder's own torch.manual_seed(4100 + 31 * cp)"}
     return config, built, golden, f"prefill-{layer}-cp{PREFILL_CP}-mini", "mini", record
 
 
