@@ -1,11 +1,8 @@
-"""The reference's own CP-SWA snapshots (cp = 2, the canonical zigzag case): our tables are its
-tables, our independent golden and our CP stage list both reproduce its outputs, a perturbed
-copy fails.
-
-`prefill-swa-cp2-mini` ships in tests/data/reference (the mini preset, an 8-page raw-KV ring).
-`prefill-swa-cp2-small` (the small preset at the reference's 128-page deployment pool, made on
-another machine) is 32 MB and lives beside the checkout (`../shared/peer`): where it is absent,
-its cases skip, saying so.
+"""The reference's own CP-SWA snapshot `prefill-swa-cp2-mini` (tests/data/reference: cp = 2, the
+canonical zigzag case, the mini preset's 8-page raw-KV ring): our tables are its tables, our
+independent golden and our CP stage list both reproduce its outputs, a perturbed copy fails.
+(The older small-dims one at the reference's 128-page pool is replayed through the launcher,
+where it is present: tests/e2e/test_prefill_e2e.py.)
 """
 
 from __future__ import annotations
@@ -13,29 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layers.contract.config import MINI, SMALL
+from layers.contract.config import MINI
 from layers.prefill import fixture, golden, layer, swa, tables
 from layers.prefill.case import PrefillCase
-from tests.conftest import REPO, reference_snapshot
+from tests.conftest import reference_snapshot
 from tests.one_pass_o_proj import use_one_pass_projection
 from tests.prefill.group import run_group
 from tests.prefill.judge import failures
 
-SNAPSHOTS = {"mini": (reference_snapshot("prefill-swa"), MINI),
-             "small": (REPO.parent / "shared" / "peer" / "prefill-swa-cp2-small", SMALL)}
+FOLDER = reference_snapshot("prefill-swa")
 
 
-def _load(folder):
-    return {p.stem: torch.load(p, weights_only=True) for p in sorted(folder.glob("*.pt"))}
+def _load(sub):
+    return {p.stem: torch.load(p, weights_only=True) for p in sorted((FOLDER / sub).glob("*.pt"))}
 
 
-@pytest.fixture(scope="module", params=sorted(SNAPSHOTS))
-def snapshot(request):
-    """(case, in/, out/) of one snapshot; the case's model is the preset that replays it."""
-    folder, model = SNAPSHOTS[request.param]
-    if not folder.is_dir():
-        pytest.skip(f"reference snapshot {folder} is absent (32 MB, kept beside the checkout)")
-    return PrefillCase("swa", model, 2, None), _load(folder / "in"), _load(folder / "out")
+@pytest.fixture(scope="module")
+def snapshot():
+    """(case, in/, out/); the case's model is the preset that replays it."""
+    return PrefillCase("swa", MINI, 2, None), _load("in"), _load("out")
 
 
 def test_tables_are_the_references(snapshot):
@@ -92,8 +85,7 @@ def test_golden_reproduces_the_shipped_snapshot_bitwise(two_threads, monkeypatch
     one-pass o-projection swapped in (tests/one_pass_o_proj.py), as for the decode snapshots."""
     if one_pass:
         use_one_pass_projection(monkeypatch)
-    folder, model = SNAPSHOTS["mini"]
-    case, inp, out = PrefillCase("swa", model, 2, None), _load(folder / "in"), _load(folder / "out")
+    case, inp, out = PrefillCase("swa", MINI, 2, None), _load("in"), _load("out")
     for r, (got, want) in enumerate(zip(_ours(case, inp), _reference_outputs(case, out))):
         assert torch.equal(got["kv_cache"], want["kv_cache"]), f"rank {r} kv_cache"
         diff = (got["x_out"] - want["x_out"]).abs().max().item()
