@@ -1,6 +1,7 @@
 """Reference snapshots made by the public reference itself, small enough to ship in the repository.
 
-    python -O scripts/reference_snapshots.py --reference PATH --out tests/data/reference [--layers swa,csa,hca,moe]
+    python -O scripts/reference_snapshots.py --reference PATH --out tests/data/reference \
+        [--layers swa,csa,hca,moe,prefill-swa,prefill-hca]
 
 PATH is a checkout of pypto-lib (https://github.com/hw-native-sys/pypto-lib); nothing of it is
 copied here. For each decode layer this script imports the reference's
@@ -10,8 +11,11 @@ copied here. For each decode layer this script imports the reference's
     specs = build_distributed_tensor_specs(LOCAL_T)     # every TP rank's fixture, rank-stacked
     golden_decode_<layer>(tensors)                      # the TP1 golden of each rank's shard
 
-and for the MoE layer `moe.py`'s `build_tensor_specs(layer_id, num_tokens)` (seeded with
-`torch.manual_seed`) and `golden_moe`; then writes `<out>/<layer>-tp2-mini/` (`moe-ep2-tiny/`)
+for the MoE layer `moe.py`'s `build_tensor_specs(layer_id, num_tokens)` (seeded with
+`torch.manual_seed`) and `golden_moe`, and for the CP prefill layers
+`models/deepseek_v4_flash_mtp/prefill_cp_<layer>.py`'s `build_tensor_specs(cp)` (seeded by
+itself) and `golden_prefill_cp_<layer>`, the zigzag layout's canonical case at cp=2; then writes
+`<out>/<layer>-tp2-mini/` (`moe-ep2-tiny/`, `prefill-<layer>-cp2-mini/`)
 in the reference golden-harness layout (`in/<name>.pt`: inputs, in-out tensors before the
 golden, scalars as 0-dim tensors; `out/<name>.pt`: outputs after it) with a `reference.json`
 naming the commit, the command, every model field and deployment constant used and each
@@ -20,7 +24,8 @@ file's sha256.
 The reference's dims are module constants: its `config.py` is imported first and its FLASH
 preset and deployment constants changed by MODEL_FIELDS and CONSTANTS below (MOE_FIELDS for the
 MoE; the project's `mini` and `tiny` presets hold the same values), before any model module
-reads them. HCA's and SWA's own context ceiling
+reads them; the prefill's mtp `config.py` the same way with PREFILL_CONSTANTS, its raw-KV pool
+cut to the `mini` preset's `prefill_ori_block_num` pages. HCA's and SWA's own context ceiling
 (`MAX_SEQ_LEN`, 1M in the reference) and the table widths derived from it are set on the module
 after its import. The reference's kernels need pypto (a device compiler); its fixture and golden
 are plain torch: `reference_run.stub_pypto` lets its modules import. Run with `python -O`: the
@@ -48,7 +53,7 @@ THREADS = 2
 # The global torch seed set before the fixture: CSA's builder draws from the global generator
 # without seeding it (SWA's and HCA's seed per rank themselves), so this makes CSA's repeatable.
 SEED = 20260819
-LAYERS = ("swa", "csa", "hca", "moe")
+LAYERS = ("swa", "csa", "hca", "moe", "prefill-swa", "prefill-hca")
 
 # The MoE case: a score-routed layer (past FLASH's 3 hash layers) on 96 of its 128 tokens, over
 # ep=2; dims of the project's `tiny` preset (hidden 256, expert width 128, vocab 2048), whose
@@ -91,16 +96,26 @@ CONSTANTS = {
     "CSA_STATE_PHYSICAL_BLOCKS": 36,
     "CSA_INNER_STATE_PHYSICAL_BLOCKS": 36,
 }
+# The CP prefill (the mtp tree's config.py): cp=2 (its default) and the raw-KV pool of pages of
+# BLOCK_SIZE = 128 rows cut from 128 pages to 8, the reference's own rule (one page per 128 RoPE
+# positions) at the 1024-row table; every other pool is FLASH's (the compressed-row pool of 32
+# pages, HCA's state pool of 64), as the harness's prefill layers hold them.
+PREFILL_CP = 2
+PREFILL_CONSTANTS = {"ORI_KV_BLOCK_NUM": 8}
 # The context ceiling HCA's (and SWA's) module fixes at 1M; the state block table is this wide.
 LONG_CONTEXT_MAX_SEQ_LEN = 16384
 
 
-def _configure(reference: str, fields: dict, constants: dict):
-    """Import the reference's config with these values in place; its model modules read them at
-    their own import."""
-    model_dir = os.path.join(reference, "models", "deepseek_v4_flash_dspark")
-    if not os.path.isfile(os.path.join(model_dir, "decode_swa.py")):
-        raise SystemExit(f"{reference} is not a pypto-lib checkout: {model_dir}/decode_swa.py is missing")
+DECODE_TREE = ("deepseek_v4_flash_dspark", "decode_swa.py")  # a model tree and a file it must hold
+PREFILL_TREE = ("deepseek_v4_flash_mtp", "prefill_cp_swa.py")
+
+
+def _configure(reference: str, fields: dict, constants: dict, tree: tuple[str, str] = DECODE_TREE):
+    """Import the reference's config (of its model tree `tree`) with these values in place; its
+    model modules read them at their own import."""
+    model_dir = os.path.join(reference, "models", tree[0])
+    if not os.path.isfile(os.path.join(model_dir, tree[1])):
+        raise SystemExit(f"{reference} is not a pypto-lib checkout: {model_dir}/{tree[1]} is missing")
     os.environ["PYPTO_GOLDEN_NUM_THREADS"] = str(THREADS)
     # MKL's fp32 GEMMs on their AVX2 path in strict (reproducible) mode, as the harness's
     # ranks run them (launcher/run/forkserver.py); MKL reads it at its first GEMM.
@@ -116,6 +131,15 @@ def _configure(reference: str, fields: dict, constants: dict):
     block = config.BLOCK_SIZE
     mpe = config.FLASH.max_position_embeddings
     config.DECODE_TOKENS = config.DECODE_BATCH * config.DECODE_SEQ
+    if tree == PREFILL_TREE:  # the mtp tree's formulas: one table block per 128 positions
+        config.KV_ORI_TABLE_MAX_BLOCKS = (mpe + block - 1) // block
+        config.KV_ORI_MAX_BLOCKS = config.KV_CMP_MAX_BLOCKS = config.KV_ORI_TABLE_MAX_BLOCKS
+        config.IDX_CACHE_MAX_BLOCKS = config.KV_ORI_TABLE_MAX_BLOCKS
+        config.DECODE_ORI_BLOCK_NUM = config.PREFILL_ORI_BLOCK_NUM = config.ORI_KV_BLOCK_NUM
+        config.PREFILL_ORI_MAX_BLOCKS = config.KV_ORI_TABLE_MAX_BLOCKS
+        config.PREFILL_CMP_MAX_BLOCKS = config.KV_CMP_MAX_BLOCKS
+        config.PREFILL_IDX_MAX_BLOCKS = config.IDX_CACHE_MAX_BLOCKS
+        return config
     config.KV_ORI_MAX_BLOCKS = (mpe + block - 1) // block
     config.KV_CMP_MAX_BLOCKS = (mpe // 4 + block - 1) // block
     config.IDX_CACHE_MAX_BLOCKS = 2 * config.KV_CMP_MAX_BLOCKS
@@ -179,11 +203,34 @@ def _moe_case(reference: str):
     return config, specs, module.golden_moe, f"moe-ep{MOE_EP}-tiny", "tiny", record
 
 
+def _prefill_case(reference: str, layer: str):
+    """A CP prefill layer's canonical case (zigzag, no history, segments of one window) at cp=2:
+    its specs and the golden, the golden's context installed as the reference's __main__ does."""
+    config = _configure(reference, MODEL_FIELDS, PREFILL_CONSTANTS, PREFILL_TREE)
+    module = _import(f"prefill_cp_{layer}", ["--cp", str(PREFILL_CP)])
+    golden = getattr(module, f"golden_prefill_cp_{layer}")
+    built = module.build_tensor_specs(PREFILL_CP)
+    if isinstance(built, tuple):  # SWA hands the golden's context back; HCA installs it itself
+        built, golden._ctx = built
+    record = {"made_by": f"pypto-lib models/deepseek_v4_flash_mtp/prefill_cp_{layer}.py: "
+                         f"build_tensor_specs and golden_prefill_cp_{layer}",
+              "layer": layer, "phase": "prefill", "cp": PREFILL_CP, "cp_layout": "zigzag",
+              "seeded_by": "the builder's own torch.manual_seed(4100 + 31 * cp)"}
+    return config, built, golden, f"prefill-{layer}-cp{PREFILL_CP}-mini", "mini", record
+
+
+def _case(reference: str, layer: str):
+    if layer == "moe":
+        return _moe_case(reference)
+    if layer.startswith("prefill-"):
+        return _prefill_case(reference, layer.removeprefix("prefill-"))
+    return _decode_case(reference, layer)
+
+
 def make_one(reference: str, layer: str, out: str) -> None:
     """One layer's snapshot, in this process (a fresh one: the reference's modules are
     configured once, at import)."""
-    config, specs, golden, name, model_name, record = (
-        _moe_case(reference) if layer == "moe" else _decode_case(reference, layer))
+    config, specs, golden, name, model_name, record = _case(reference, layer)
     import torch
     from golden import ScalarSpec
 

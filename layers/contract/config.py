@@ -82,6 +82,10 @@ class ModelConfig:
     hca_state_physical_blocks: int = 256
     csa_state_physical_blocks: int = 260
     csa_inner_state_physical_blocks: int = 260
+    # Pages of the CP prefill's raw-KV ring (of PREFILL_BLOCK_ROWS = 128 rows each,
+    # `layers/prefill/case.py`): the reference's prefill deployment point holds 128, one page per
+    # 128 RoPE positions.
+    prefill_ori_block_num: int = 128
     # Context ceiling of the SWA and HCA layers (1 Mi tokens at HEAD; CSA uses
     # max_position_embeddings).
     long_context_max_seq_len: int = 1_048_576
@@ -264,7 +268,8 @@ SMALL = FLASH.replace(
 # scripts/reference_snapshots.py): the least the reference's O projection accepts (hidden 512,
 # o_lora 256, 256-wide output groups), two groups of four 64-wide heads over tp=2, pools of
 # 16-36 pages, a 1024-row RoPE table, the long-context start at 512 and a 16384-token ceiling
-# for HCA's state table.
+# for HCA's state table. The CP prefill's raw-KV ring is 8 pages of 128 rows, the reference's
+# own rule (one page per 128 RoPE positions) at that table.
 MINI = FLASH.replace(
     name="mini",
     hidden_size=512,
@@ -287,6 +292,7 @@ MINI = FLASH.replace(
     csa_state_physical_blocks=36,
     csa_inner_state_physical_blocks=36,
     long_context_max_seq_len=16384,
+    prefill_ori_block_num=8,
 )
 
 # A 2-core CPU preset that keeps every structural property of the four layers: eight output

@@ -20,9 +20,10 @@ PREFILL_LAYERS = ("swa", "hca")  # the layers with a prefill stage list (layers/
 SCOPES = ("full", "collectives")  # the whole step, or its CP exchange alone (layers/prefill/collectives.py)
 # Query tiles per segment (the reference's MAX_SEGMENT_TILES): a segment is 1..2 windows long.
 MAX_SEGMENT_TILES = 2
-# The reference's prefill deployment point: 128-row pages, 128 pages of raw KV per rank.
+# Rows of one page of the raw-KV ring: the reference's prefill page (its mtp BLOCK_SIZE), 128
+# positions in every preset, as the segments' window is; the model sets the pages
+# (`ModelConfig.prefill_ori_block_num`).
 PREFILL_BLOCK_ROWS = 128
-PREFILL_ORI_BLOCKS = 128
 DEFAULT_CP = 2  # the CP size when `cp` is not given (the reference's default)
 
 
@@ -112,8 +113,9 @@ class PrefillCase:
 
     @property
     def cache_rows(self) -> int:
-        """Rows of the raw-KV ring (position p lives in row p mod cache_rows)."""
-        return PREFILL_ORI_BLOCKS * PREFILL_BLOCK_ROWS
+        """Rows of the raw-KV ring (position p lives in row p mod cache_rows): the model's
+        `prefill_ori_block_num` pages of PREFILL_BLOCK_ROWS."""
+        return self.model.prefill_ori_block_num * PREFILL_BLOCK_ROWS
 
     @property
     def canonical(self) -> bool:
@@ -174,5 +176,5 @@ class PrefillCase:
         return False
 
 
-__all__ = ["DEFAULT_CP", "LAYOUTS", "PREFILL_LAYERS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS", "PREFILL_ORI_BLOCKS",
+__all__ = ["DEFAULT_CP", "LAYOUTS", "PREFILL_LAYERS", "SCOPES", "MAX_SEGMENT_TILES", "PREFILL_BLOCK_ROWS",
            "PrefillCase"]

@@ -16,6 +16,7 @@ _DIMS = (
     Dim("qk_rope_head_dim", ("in/freqs_cos",), -1),
     Dim("max_position_embeddings", ("in/freqs_cos",), 0),
     Dim("sliding_window", ("in/final_slot_mapping",), 0),
+    Dim("prefill_ori_block_num", ("in/kv_cache",), 1),  # the raw-KV ring's pages
 )
 _MARKS = ("reverse_index", "overlay_active_lengths")
 

@@ -15,7 +15,7 @@ from ..contract.case import Case
 from ..fixtures import draw
 from ..swa import layer as swa_decode
 from . import tables
-from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PREFILL_ORI_BLOCKS, PrefillCase
+from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PrefillCase
 
 WEIGHTS = ("hc_attn_fn", "hc_attn_scale", "hc_attn_base", "attn_norm_w", "wq_a", "wq_b", "wq_b_scale", "wkv",
            "gamma_cq", "gamma_ckv", "attn_sink", "wo_a", "wo_b", "wo_b_scale")
@@ -39,7 +39,7 @@ def segment_tokens(case: PrefillCase, segment: int) -> torch.Tensor:
 def history_cache(case: PrefillCase) -> torch.Tensor:
     """The KV ring before the step [blocks, rows, 1, HD], unit-RMS rows (the decode recipe)."""
     m = case.model
-    return draw.normal((PREFILL_ORI_BLOCKS, PREFILL_BLOCK_ROWS, 1, m.head_dim), case.seed, "prefill_kv_cache",
+    return draw.normal((m.prefill_ori_block_num, PREFILL_BLOCK_ROWS, 1, m.head_dim), case.seed, "prefill_kv_cache",
                        dtype=torch.bfloat16, transform=draw.unit_rms_rows(m.rms_norm_eps))
 
 

@@ -21,7 +21,7 @@ from ..contract.tensors import Kind, TensorSpec
 from ..distributed import wire
 from ..contract.staged import StagedLayer
 from . import collectives, fixture, gathered, golden as golden_math, swa, tables
-from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PREFILL_ORI_BLOCKS, PrefillCase
+from .case import MAX_SEGMENT_TILES, PREFILL_BLOCK_ROWS, PrefillCase
 
 COMPARED = ("kv_cache", "x_out")
 
@@ -88,7 +88,7 @@ class PrefillSWALayer(StagedLayer):
             "gamma_ckv": rep((hd,), bf16),
             "freqs_cos": rep(rope, bf16),
             "freqs_sin": rep(rope, bf16),
-            "kv_cache": TensorSpec((PREFILL_ORI_BLOCKS, PREFILL_BLOCK_ROWS, 1, hd), bf16, Kind.INOUT),
+            "kv_cache": TensorSpec((m.prefill_ori_block_num, PREFILL_BLOCK_ROWS, 1, hd), bf16, Kind.INOUT),
             "attn_sink": rep((h,), f32),
             "wo_a": rep((g, m.o_lora_rank, m.group_in), bf16),
             "wo_b": rep((d, g * m.o_lora_rank), i8),

@@ -1,6 +1,6 @@
 """CP prefill end to end through the launcher: cases PASS, each CP-protocol defect FAILs naming
 the tensor and the rank, bad keys are refused before any rank starts, and the reference's own
-snapshot replays with golden_data alone (a perturbed copy FAILs)."""
+snapshots replay with golden_data alone (a perturbed copy FAILs)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from .. import defects
+from ..conftest import REPO, reference_snapshot
 
 
 @pytest.mark.parametrize("keys", [
@@ -94,38 +95,53 @@ def test_bad_prefill_keys_refused(tp_run, keys, words):
     assert run.exit_code != 0 and re.search(words, run.output), run
 
 
-# -- the reference's own CP SWA snapshot, replayed with golden_data alone -------------------------
-PEER = Path(__file__).resolve().parents[2] / "../shared/peer/prefill-swa-cp2-small"
-needs_peer = pytest.mark.skipif(not PEER.is_dir(), reason="no ../shared/peer (reference snapshots) in this clone")
+# -- the reference's own CP snapshots (tests/data/reference), replayed with golden_data alone -----
+# The small SWA one (the reference's 128-page pool, made on another machine) is 32 MB and lives
+# beside the checkout: its replay skips where it is absent.
+PEER_SMALL = REPO.parent / "shared" / "peer" / "prefill-swa-cp2-small"
+SNAPSHOTS = {"swa": reference_snapshot("prefill-swa"), "hca": reference_snapshot("prefill-hca"), "swa-small": PEER_SMALL}
 
 
-@needs_peer
-def test_reference_snapshot_replays_and_passes(tp_run):
-    run = tp_run(golden_data=str(PEER), recompute_golden=True)
+def _snapshot(name: str) -> Path:
+    if not SNAPSHOTS[name].is_dir():
+        pytest.skip(f"reference snapshot {SNAPSHOTS[name]} is absent (32 MB, kept beside the checkout)")
+    return SNAPSHOTS[name]
+
+
+@pytest.mark.parametrize("name", sorted(SNAPSHOTS))
+def test_reference_snapshot_replays_and_passes(tp_run, name):
+    run = tp_run(golden_data=str(_snapshot(name)), recompute_golden=True)
     assert run.exit_code == 0, run
-    assert run.result["case"]["cp"] == 2 and run.result["case"]["phase"] == "prefill"
+    case = run.result["case"]
+    assert (case["layer"], case["cp"], case["phase"]) == (name.split("-")[0], 2, "prefill")
     assert {"phase", "cp", "segment_lens", "model"} <= set(run.result["snapshot"]["read"])
 
 
-@needs_peer
-@pytest.mark.parametrize("tensor, rank", [("x_out", 1), ("kv_cache", 0)])
-def test_perturbed_reference_snapshot_fails(tp_run, tmp_path, tensor, rank):
+@pytest.mark.parametrize("name, tensor, rank", [("swa", "x_out", 1), ("swa", "kv_cache", 0), ("hca", "cmp_kv", 1)])
+def test_perturbed_reference_snapshot_fails(tp_run, tmp_path, name, tensor, rank):
     copy = tmp_path / "snap"
-    shutil.copytree(PEER, copy)
+    shutil.copytree(_snapshot(name), copy)
     for p in copy.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
     path = copy / "out" / f"{tensor}.pt"
     t = torch.load(path, weights_only=True)
+    rows = t[rank].view(-1, t.shape[-1])
     if tensor == "x_out":
         t[rank, 0, 0, :64] *= 1.05
-    else:  # one row of the final window
-        final = torch.load(copy / "in" / "final_slot_mapping.pt", weights_only=True)
-        t[rank].view(-1, t.shape[-1])[int(final[7])] += 0.25
+    elif tensor == "kv_cache":  # one row of the final window
+        rows[int(torch.load(copy / "in" / "final_slot_mapping.pt", weights_only=True)[7])] += 0.25
+    else:  # the first compressed row the step wrote
+        rows[int(torch.nonzero(rows.abs().sum(-1))[0])] += 0.25
     torch.save(t, path)
     run = tp_run(golden_data=str(copy))
     assert run.exit_code == 1, run
     v = run.verdict(tensor)
     assert [r["rank"] for r in v["per_rank"] if r["n_bad"]] == [rank], run
+
+
+def test_a_ring_other_than_the_snapshots_is_refused(tp_run):
+    run = tp_run(golden_data=str(_snapshot("swa")), overrides=["model.prefill_ori_block_num=16"])
+    assert run.exit_code != 0 and "contradicts the snapshot" in run.output and "prefill_ori_block_num=8" in run.output, run
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from layers.contract.config import PRESETS
+from layers.prefill.case import PREFILL_BLOCK_ROWS
 
 from ..conftest import REFERENCE_DATA, reference_snapshot
 
-LAYERS = ("swa", "csa", "hca", "moe")
+LAYERS = ("swa", "csa", "hca", "moe", "prefill-swa", "prefill-hca")
 # The reference's deployment constants and the preset fields that hold them.
 CONSTANT_FIELDS = {
     "DECODE_BATCH": "decode_batch", "DECODE_SEQ": "decode_seq", "DECODE_START_POS": "decode_start_pos",
@@ -24,6 +25,9 @@ CONSTANT_FIELDS = {
     "CSA_STATE_PHYSICAL_BLOCKS": "csa_state_physical_blocks",
     "CSA_INNER_STATE_PHYSICAL_BLOCKS": "csa_inner_state_physical_blocks",
 }
+# The prefill's (the mtp tree's config.py): its raw-KV ring's pages (kv_cache's page count).
+PREFILL_CONSTANT_FIELDS = {"PREFILL_ORI_MAX_BLOCKS": "prefill_ori_block_num",
+                           "C128_COMPRESSOR_BLOCK_SIZE": "c128_state_block_size"}
 
 
 def changed_files(folder: Path) -> list[str]:
@@ -64,7 +68,9 @@ def differences_from_preset(record: dict) -> dict:
     fields = PRESETS[record["model"]["name"]].fields()
     used = {k: v for k, v in record["model"].items() if k in fields and k != "name"
             and (record["layer"] != "moe" or k in MOE_DIMS)}
-    if record["layer"] != "moe":
+    if record.get("phase") == "prefill":
+        used |= {PREFILL_CONSTANT_FIELDS[k]: v for k, v in record["constants"].items() if k in PREFILL_CONSTANT_FIELDS}
+    elif record["layer"] != "moe":
         used |= {CONSTANT_FIELDS[k]: v for k, v in record["constants"].items() if k in CONSTANT_FIELDS}
         used["long_context_max_seq_len"] = record["long_context_max_seq_len"]
     return {k: v for k, v in used.items() if fields[k] != (tuple(v) if isinstance(v, list) else v)}
@@ -80,6 +86,18 @@ def test_a_dim_the_preset_does_not_hold_is_named():
     record["model"]["index_topk"] += 1
     record["constants"]["KV_CMP_BLOCK_NUM"] += 1
     assert set(differences_from_preset(record)) == {"index_topk", "kv_cmp_block_num"}
+
+
+def test_a_prefill_pool_the_preset_does_not_hold_is_named():
+    record = _record("prefill-swa")
+    record["constants"]["PREFILL_ORI_MAX_BLOCKS"] = 128
+    assert differences_from_preset(record) == {"prefill_ori_block_num": 128}
+
+
+@pytest.mark.parametrize("layer", ["prefill-swa", "prefill-hca"])
+def test_the_prefill_pages_are_the_harness_page(layer):
+    """The reference's prefill page (its BLOCK_SIZE) is the harness's fixed PREFILL_BLOCK_ROWS."""
+    assert _record(layer)["constants"]["BLOCK_SIZE"] == PREFILL_BLOCK_ROWS
 
 
 def test_every_shipped_folder_is_a_tested_snapshot():
