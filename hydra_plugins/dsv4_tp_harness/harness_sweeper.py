@@ -51,8 +51,7 @@ log = logging.getLogger(__name__)
 
 
 # A forked copy of this process costs a few milliseconds and each config comes back pickled
-# (a few milliseconds more): a copy is worth it from two jobs on.
-JOBS_PER_COPY = 2
+# (a few milliseconds more), against 0.1 to 0.2 s a composition: every core gets a job.
 # A copy's share normally takes 0.1 to 0.2 s a job; one that takes far longer (a copy stuck
 # in a lock some other thread held at the fork) is ended and its jobs composed here.
 COPY_GRACE_S, COPY_S_PER_JOB = 30.0, 2.0
@@ -67,7 +66,7 @@ def compose_all(compose: Callable[[list[str]], DictConfig], jobs: Sequence[Seque
     could not compose, or whose config did not come back, is composed here again, in job
     order, so the first bad job raises Hydra's own exception from this process."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    copies = max(1, min(cores, len(jobs) // JOBS_PER_COPY)) if hasattr(os, "fork") else 1
+    copies = max(1, min(cores, len(jobs))) if hasattr(os, "fork") else 1
     composed: list[Optional[DictConfig]] = [None] * len(jobs)
     children: dict[int, int] = {}  # pid -> read end of its pipe
     try:

@@ -45,7 +45,7 @@ from launcher.__main__ import run
 run()
 """
 
-# Four jobs, two choices of config groups.
+# Four jobs, two choices of config groups: composed on two processes where there are two cores.
 JOBS = [["layer=swa", "model=tiny", "tp=1"], ["layer=swa", "model=tiny", "tp=2"],
         ["layer=hca", "model=tiny", "tp=1"], ["layer=hca", "model=tiny", "tp=2"]]
 
@@ -68,6 +68,8 @@ def test_each_job_is_composed_once_and_runs_as_with_the_basic_pair(tmp_path):
     # Checked before the first job ran, not again to run it; composed once per layer, the other
     # tp set on a copy (launcher.config.sweep_compose).
     assert sorted(job for _, job in composed) == [JOBS[2], JOBS[0]]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert len({pid for pid, _ in composed}) == 2  # this process and one forked copy
     basic, basic_composed, basic_summary = _sweep(tmp_path, "basic", "hydra/sweeper=basic", "hydra/launcher=basic")
     assert basic.returncode == 0, basic.stdout + basic.stderr
     assert [job for _, job in basic_composed] == JOBS + JOBS  # Hydra's basic pair: once to check, once to run
