@@ -94,7 +94,9 @@ def with_values(template: DictConfig, template_job: Sequence[Override], job: Seq
     set_keys = [o.key_or_group for o in job if o.key_or_group not in choices or isinstance(o.value(), dict)]
     for o in changed:
         key = o.key_or_group
-        if key in choices or not isinstance(_node(template, key), ValueNode):
+        # A leaf that Hydra sets once: not a group's choice (which is no set key), and no other
+        # set key above or below it.
+        if not isinstance(_node(template, key), ValueNode):
             return None
         if sum(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in set_keys) != 1:
             return None

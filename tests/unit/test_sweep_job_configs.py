@@ -11,11 +11,11 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
-from omegaconf import Container, DictConfig, ListConfig
+from omegaconf import Container, DictConfig, ListConfig, open_dict
 
 import hydra_plugins.dsv4_tp_harness.harness_sweeper  # noqa: F401  (registers hydra/sweeper=harness)
 from launcher.config import resolvers  # noqa: F401  (the config's resolvers)
-from launcher.config.sweep_compose import PlainValues, compose_jobs
+from launcher.config.sweep_compose import PlainValues, compose_jobs, with_values
 from launcher.config.sweep_jobs import expand_jobs
 
 
@@ -109,8 +109,24 @@ def test_a_value_the_config_refuses_raises_hydras_own_error_for_the_first_bad_jo
 ])
 def test_what_is_no_plain_value_is_composed_by_hydra(hydra_loader, command_line):
     master, jobs = _sweep(hydra_loader, command_line)
-    try:
-        configs, composed = _fast_path(hydra_loader, master, jobs)
-    except ConfigCompositionException:
-        return  # Hydra's own refusal of the sweep
+    configs, composed = _fast_path(hydra_loader, master, jobs)
     assert composed == jobs
+    for job, config in zip(jobs, configs):
+        assert _facts(config) == _facts(hydra_loader.load_sweep_config(master_config=master, sweep_overrides=job))
+
+
+def test_a_value_that_is_no_leaf_of_the_first_jobs_config_is_not_set_on_a_copy(hydra_loader):
+    master, (job,) = _sweep(hydra_loader, ["layer=swa", "model=tiny"])
+    template = hydra_loader.load_sweep_config(master_config=master, sweep_overrides=job)
+    parse = PlainValues(lambda key: False).parse
+
+    def set_from_the_template(key, first, second):
+        return with_values(template, parse([*job, f"{key}={first}"]), parse([*job, f"{key}={second}"]), master)
+
+    assert set_from_the_template("seed", 1, 2).seed == 2
+    with open_dict(template):
+        template.extra = {"a": 1}  # a node with keys of its own, which a value would replace
+    assert set_from_the_template("extra", 1, 2) is None
+    with open_dict(template.hydra.runtime.choices):
+        template.hydra.runtime.choices.seed = "1"  # a group's choice (one only a config's search path adds)
+    assert set_from_the_template("seed", 1, 2) is None
