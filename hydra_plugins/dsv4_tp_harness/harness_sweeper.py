@@ -4,9 +4,11 @@ job's config composed once instead of twice.
 Hydra's basic sweeper composes each job's config before any job runs (a sweep with a job
 that cannot be composed is refused whole), and its basic launcher composes each again to run
 it. A composition takes 0.1 to 0.2 s, more than a tiny job's own overhead: here the sweeper
-composes a batch on every core (`compose_all`: forked copies of this process, which already
-holds Hydra's state) and hands the configs to the launcher it instantiated (`HarnessLauncher.composed`,
-by the job's overrides), which composes only a job it was not given (one planned by another sweeper).
+composes one job per choice of config groups, sets each other job's plain values on a copy of
+that job's config as Hydra's override step sets them (`launcher.config.sweep_compose`), composes
+on every core (`compose_all`: forked copies of this process, which already holds Hydra's state)
+and hands the configs to the launcher it instantiated (`HarnessLauncher.composed`, by the job's
+overrides), which composes only a job it was not given (one planned by another sweeper).
 Everything else is the basic pair's: the same jobs in the same order (`expand_jobs`),
 `params`, `max_batch_size`, the sweep's `multirun.yaml`, jobs one after another in this
 process through Hydra's own job runner (`hydra.core.utils.run_job`: each job's folder,
@@ -42,14 +44,14 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from launcher.config.sweep_compose import PlainValues, compose_jobs
 from launcher.config.sweep_jobs import expand_jobs
 
 log = logging.getLogger(__name__)
 
 
 # A forked copy of this process costs a few milliseconds and each config comes back pickled
-# (a few milliseconds more): a copy is worth it from two jobs on.
-JOBS_PER_COPY = 2
+# (a few milliseconds more), against 0.1 to 0.2 s a composition: every core gets a job.
 # A copy's share normally takes 0.1 to 0.2 s a job; one that takes far longer (a copy stuck
 # in a lock some other thread held at the fork) is ended and its jobs composed here.
 COPY_GRACE_S, COPY_S_PER_JOB = 30.0, 2.0
@@ -64,7 +66,7 @@ def compose_all(compose: Callable[[list[str]], DictConfig], jobs: Sequence[Seque
     could not compose, or whose config did not come back, is composed here again, in job
     order, so the first bad job raises Hydra's own exception from this process."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    copies = max(1, min(cores, len(jobs) // JOBS_PER_COPY)) if hasattr(os, "fork") else 1
+    copies = max(1, min(cores, len(jobs))) if hasattr(os, "fork") else 1
     composed: list[Optional[DictConfig]] = [None] * len(jobs)
     children: dict[int, int] = {}  # pid -> read end of its pipe
     try:
@@ -209,7 +211,18 @@ class HarnessSweeper(Sweeper):
         each config by its job's overrides, for the launcher."""
         assert self.hydra_context is not None and self.config is not None
         loader, master = self.hydra_context.config_loader, self.config
-        configs = compose_all(lambda job: loader.load_sweep_config(master_config=master, sweep_overrides=job), batch)
+
+        def compose(job: list[str]) -> DictConfig:
+            return loader.load_sweep_config(master_config=master, sweep_overrides=job)
+
+        def compose_or_none(job: list[str]) -> Optional[DictConfig]:
+            try:
+                return compose(job)
+            except Exception:
+                return None  # composed again in job order, where it raises Hydra's error
+
+        plain = PlainValues(loader.repository.group_exists)
+        configs = compose_jobs(batch, plain, master, lambda firsts: compose_all(compose_or_none, firsts), compose)
         return {tuple(overrides): config for overrides, config in zip(batch, configs)}
 
     def _check_own_folders(self, batch: Sequence[Sequence[str]], composed: Mapping[tuple[str, ...], DictConfig],

@@ -45,7 +45,7 @@ from launcher.__main__ import run
 run()
 """
 
-# Four jobs: the sweeper composes them on two processes where there are two cores.
+# Four jobs, two choices of config groups: composed on two processes where there are two cores.
 JOBS = [["layer=swa", "model=tiny", "tp=1"], ["layer=swa", "model=tiny", "tp=2"],
         ["layer=hca", "model=tiny", "tp=1"], ["layer=hca", "model=tiny", "tp=2"]]
 
@@ -65,7 +65,9 @@ def _sweep(tmp_path, name: str, *args: str) -> tuple[subprocess.CompletedProcess
 def test_each_job_is_composed_once_and_runs_as_with_the_basic_pair(tmp_path):
     ours, composed, summary = _sweep(tmp_path, "ours")
     assert ours.returncode == 0, ours.stdout + ours.stderr
-    assert sorted(job for _, job in composed) == sorted(JOBS)  # checked before the first job ran, not again to run it
+    # Checked before the first job ran, not again to run it; composed once per layer, the other
+    # tp set on a copy (launcher.config.sweep_compose).
+    assert sorted(job for _, job in composed) == [JOBS[2], JOBS[0]]
     if len(os.sched_getaffinity(0)) >= 2:
         assert len({pid for pid, _ in composed}) == 2  # this process and one forked copy
     basic, basic_composed, basic_summary = _sweep(tmp_path, "basic", "hydra/sweeper=basic", "hydra/launcher=basic")
@@ -75,7 +77,7 @@ def test_each_job_is_composed_once_and_runs_as_with_the_basic_pair(tmp_path):
     assert jobs == [(j["job"], j["overrides"], j["verdict"]) for j in basic_summary["jobs"]]
     assert [o for _, o, _ in jobs] == JOBS and {v for _, _, v in jobs} == {"PASS"}
     # The jobs' own records are Hydra's: each job's folder, its .hydra files, its number, and
-    # the same config as the basic pair composed (also where a forked copy composed it).
+    # the same config as the basic pair composed (also where it was set on a copy of another's).
     for num, job in enumerate(JOBS):
         overrides = (tmp_path / "ours" / str(num) / ".hydra" / "overrides.yaml").read_text()
         assert all(o in overrides for o in job)
@@ -93,7 +95,7 @@ def test_batches_are_checked_and_run_one_after_another(tmp_path):
 
 @pytest.mark.parametrize("jobs", [
     ["model=tiny,nosuch", "tp=1"],
-    ["tp=1,2", "model=tiny,nosuch"],  # four jobs: the bad job 1 is composed by a forked copy first
+    ["tp=1,2", "model=tiny,nosuch"],  # four jobs: the bad job 1 is composed before job 2 is set from job 0
 ])
 def test_a_job_that_cannot_be_composed_refuses_the_sweep_before_any_job_runs(tmp_path, jobs):
     sweep_dir = tmp_path / "sweep"
