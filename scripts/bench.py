@@ -10,6 +10,7 @@
     python scripts/bench.py scaling             # wall time vs tp and vs local_t, tiny and flash, + PNG
     python scripts/bench.py plot                # scaling.png again from the figures in bench.json
     python scripts/bench.py front               # --help, --cfg job, a refusal, sweep list, compare (front_bench.py)
+    python scripts/bench.py prefill --reference PATH  # swa, hca prefill cp=2 real dims vs the reference's golden (bench_prefill.py)
 
 Every launcher run is `python -m launcher ... golden_cache=null` in a fresh interpreter (the
 cache would turn the golden and fixture stages into file reads; `sweep` and `flash` also
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT / "scripts"))  # the bench_* modules and front_bench
 import front_bench  # noqa: E402
 from bench_figures import bench_launch, bench_loops, bench_scaling, bench_sweep, bench_threads  # noqa: E402
 from bench_golden import bench_flash, bench_memory, golden_alone  # noqa: E402
+from bench_prefill import bench_prefill, report_prefill  # noqa: E402
 from bench_report import (report_flash, report_launch, report_loops, report_memory, report_scaling,  # noqa: E402
                           report_sweep, report_threads, write_scaling_png)
 from bench_runs import CORES  # noqa: E402
@@ -72,10 +74,11 @@ def merge_min(old: dict, new: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["all", "launch", "sweep", "flash", "memory", "threads", "loops", "scaling", "plot",
-                                     "golden-alone", "front"])
+                                     "golden-alone", "front", "prefill"])
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the minimum is reported")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "bench"), help="folder for bench.json and scaling.png")
-    ap.add_argument("--layers", default="swa,csa", help="layers of the memory and scaling benchmarks")
+    ap.add_argument("--layers", default=None,
+                    help="layers of the memory and scaling benchmarks (default swa,csa) and of prefill (swa,hca)")
     ap.add_argument("--models", default="tiny,flash", help="models of the scaling benchmark")
     ap.add_argument("--layer", default="csa")
     ap.add_argument("--model", default="flash")
@@ -84,9 +87,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=CORES)
     ap.add_argument("--reference", default=None,
                     help="flash: also compare with the reference's own fixture + golden, from this pypto-lib checkout")
-    ap.add_argument("--pairs", type=int, default=5, help="flash --reference: alternated pairs; the median ratio is reported")
+    ap.add_argument("--pairs", type=int, default=5,
+                    help="flash --reference, prefill: alternated pairs; the median ratio is reported")
     ap.add_argument("--reference-threads", type=int, default=None,
-                    help="flash --reference: the reference golden's threads (PYPTO_GOLDEN_NUM_THREADS; default its own)")
+                    help="flash --reference, prefill: the reference golden's threads (PYPTO_GOLDEN_NUM_THREADS; "
+                         "default its own)")
+    ap.add_argument("--cp", type=int, default=2, help="prefill: the CP size")
     ap.add_argument("--merge", action="store_true",
                     help="scaling: keep, per point, the minimum with the figures already in bench.json")
     args = ap.parse_args()
@@ -97,7 +103,9 @@ def main() -> int:
         stored = json.load(open(os.path.join(args.out, "bench.json")))
         write_scaling_png(os.path.join(args.out, "scaling.png"), _normalise(stored["scaling"]))
         return 0
-    layers = args.layers.split(",")
+    if args.what == "prefill" and not args.reference:
+        raise SystemExit("prefill compares with the reference's golden: give --reference PATH (a pypto-lib checkout)")
+    layers = (args.layers or ("swa,hca" if args.what == "prefill" else "swa,csa")).split(",")
     todo = ["launch", "sweep", "flash", "memory", "threads", "loops", "scaling"] if args.what == "all" else [args.what]
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench.json")
@@ -121,6 +129,9 @@ def main() -> int:
                 r = bench_loops(["swa", "csa", "hca"])
             elif what == "front":
                 r = front_bench.bench_front(tmp, args.repeats, [str(ROOT)])
+            elif what == "prefill":
+                r = bench_prefill(tmp, os.path.abspath(args.reference), layers,
+                                  args.cp, args.pairs, args.reference_threads)
             else:
                 r = bench_scaling(tmp, args.repeats, layers, args.models.split(","))
             r = _normalise(r)
@@ -135,7 +146,7 @@ def main() -> int:
                 write_scaling_png(os.path.join(args.out, "scaling.png"), r)
             report = {"launch": report_launch, "sweep": report_sweep, "flash": report_flash, "memory": report_memory,
                       "threads": report_threads, "loops": report_loops, "scaling": report_scaling,
-                      "front": front_bench.report_front}[what]
+                      "front": front_bench.report_front, "prefill": report_prefill}[what]
             print(f"## {what}\n\n{report(r)}\n", flush=True)
     return 0
 

@@ -113,15 +113,27 @@ def run(reference: str, tp: int, local_t: int, threads: int | None) -> dict:
             "x_out_finite": bool(torch.isfinite(tensors["x_out"]).all())}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every reference runner takes: the checkout and the golden's threads."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reference", required=True, help="a pypto-lib checkout")
+    ap.add_argument("--threads", type=int, default=None, help="PYPTO_GOLDEN_NUM_THREADS (default: the reference's)")
+    return ap
+
+
+def emit(result: dict) -> None:
+    """The one JSON line, then exit without the interpreter's teardown (torch's destructors):
+    the caller times the work above."""
+    print(json.dumps(result), flush=True)
+    os._exit(0)
+
+
+def main() -> None:
+    ap = parser(__doc__)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--local-t", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None, help="PYPTO_GOLDEN_NUM_THREADS (default: the reference's)")
     args = ap.parse_args()
-    print(json.dumps(run(os.path.abspath(args.reference), args.tp, args.local_t, args.threads)), flush=True)
-    os._exit(0)  # no interpreter teardown (torch's destructors): the caller times the work above
+    emit(run(os.path.abspath(args.reference), args.tp, args.local_t, args.threads))
 
 
 if __name__ == "__main__":

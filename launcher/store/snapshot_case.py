@@ -106,22 +106,33 @@ def _describe_prefill(directory: str, entries: dict[str, Entry], manifest: dict,
                       kind: Declaration) -> SnapshotFacts:
     """A CP prefill snapshot's case (`kind`, its phase's declaration): phase and cp from its
     files (cp: the leading axis), the segments from segment_starts_t and overlay_active_lengths;
-    layout, seed and model from our manifest where it has them, else zigzag (the reference's),
-    no seed, and the preset whose dims the shapes fix."""
+    layout, scope, seed and model from our manifest where it has them, else zigzag (the
+    reference's), the whole step, no seed, and the preset whose dims the shapes fix. An
+    exchange's snapshot (scope=collectives) holds no segment tables: its manifest gives them."""
     mark = entries[f"in/{kind.marks[0]}"]
     anchor = entries[kind.anchors[0]]
     facts: dict = {"layer": Fact(manifest.get("layer", kind.name), manifest_path if "layer" in manifest else anchor.path,
                                  "" if "layer" in manifest else "the tensors it holds"),
                    "phase": Fact(kind.phase, mark.path, "the tensors it holds"),
                    kind.group_key: Fact(anchor.shape[0], anchor.path, "its leading axis")}
-    starts_entry, active_entry = entries["in/segment_starts_t"], entries["in/overlay_active_lengths"]
-    starts = snapshot.load(starts_entry.path).tolist()
-    facts["prefix"] = Fact(int(starts[0]), starts_entry.path, "its first start")
-    active = snapshot.load(active_entry.path)[..., 1].sum(dim=-1)  # [cp, 2]: each part's segment length
     if "cp_layout" in manifest:
         facts["cp_layout"] = Fact(manifest["cp_layout"], manifest_path)
-    lens = _prefill_lengths(snapshot.load(entries["in/reverse_index"].path).tolist(), active)
-    facts["segment_lens"] = Fact(tuple(lens), active_entry.path, "its active rows per segment")
+    if "scope" in manifest:
+        facts["scope"] = Fact(manifest["scope"], manifest_path)
+    starts_entry, active_entry = entries.get("in/segment_starts_t"), entries.get("in/overlay_active_lengths")
+    if starts_entry is None or active_entry is None:  # an exchange alone: no layout tables, the case is our manifest's
+        missing = [k for k in ("scope", "prefix", "segment_lens") if k not in manifest]
+        if missing:
+            raise ConfigError(f"golden_data={directory}: a prefill exchange's snapshot ({kind.name}) holds no "
+                              f"segment tables; its {manifest_path} must name {', '.join(missing)}")
+        facts["prefix"] = Fact(int(manifest["prefix"]), manifest_path)
+        facts["segment_lens"] = Fact(tuple(int(n) for n in manifest["segment_lens"]), manifest_path)
+    else:
+        starts = snapshot.load(starts_entry.path).tolist()
+        facts["prefix"] = Fact(int(starts[0]), starts_entry.path, "its first start")
+        active = snapshot.load(active_entry.path)[..., 1].sum(dim=-1)  # [cp, 2]: each part's segment length
+        lens = _prefill_lengths(snapshot.load(entries["in/reverse_index"].path).tolist(), active)
+        facts["segment_lens"] = Fact(tuple(lens), active_entry.path, "its active rows per segment")
     if manifest.get("seed") is not None:
         facts["seed"] = Fact(int(manifest["seed"]), manifest_path)
     if "model_fields" in manifest:

@@ -33,7 +33,7 @@ class PrefillCase:
     # The run config's keys of the phase (top level, beside the layer's group): refused in a
     # run of another phase, and the only case keys a prefill run takes.
     config_keys: ClassVar[tuple[str, ...]] = ("cp", "cp_layout", "prefix", "segment_lens")
-    snapshot_keys: ClassVar[tuple[str, ...]] = ("layer", "cp", "cp_layout", "prefix", "segment_lens")
+    snapshot_keys: ClassVar[tuple[str, ...]] = ("layer", "scope", "cp", "cp_layout", "prefix", "segment_lens")
 
     layer: str
     model: ModelConfig

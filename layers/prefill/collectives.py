@@ -47,15 +47,20 @@ def part_rows(case: PrefillCase) -> int:
     return case.window if case.cp_layout == "zigzag" else MAX_SEGMENT_TILES * case.window
 
 
-def source_rows(case: PrefillCase, rank: int) -> torch.Tensor:
-    """Rank's source [2·rows, HD] bf16 (the module docstring's table)."""
-    rows, hd = part_rows(case), case.model.head_dim
+def block_rows(rank: int, rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rank's two parts of `rows` rows [2·rows, cols] (the module docstring's table): integers
+    below 256, exact in bf16 and fp32."""
     block = (2 * rank + torch.arange(tables.LOCAL_PARTS))[:, None, None]
     row = torch.arange(rows)[None, :, None]
-    col = torch.arange(hd)[None, None, :]
-    values = ((block * rows + row) * hd + col) % 251
-    values = torch.where(col == 0, block, torch.where(col == 1, row, values)).expand(-1, rows, hd)
-    return values.reshape(-1, hd).to(torch.bfloat16)
+    col = torch.arange(cols)[None, None, :]
+    values = ((block * rows + row) * cols + col) % 251
+    values = torch.where(col == 0, block, torch.where(col == 1, row, values)).expand(-1, rows, cols)
+    return values.reshape(-1, cols).to(dtype)
+
+
+def source_rows(case: PrefillCase, rank: int) -> torch.Tensor:
+    """Rank's source [2·rows, HD] bf16."""
+    return block_rows(rank, part_rows(case), case.model.head_dim)
 
 
 class PrefillCollectivesScope(StagedLayer):
@@ -119,4 +124,4 @@ class PrefillCollectivesScope(StagedLayer):
 
 SCOPE = PrefillCollectivesScope()
 
-__all__ = ["EXCHANGES", "part_rows", "source_rows", "PrefillCollectivesScope", "SCOPE"]
+__all__ = ["EXCHANGES", "part_rows", "block_rows", "source_rows", "PrefillCollectivesScope", "SCOPE"]

@@ -1,7 +1,8 @@
 """The CP prefill snapshots' declarations (`layers.contract.declaration`; torch-free): the
 reference's prefill_cp_swa.py and prefill_cp_hca.py layouts, told by their layout tables (HCA's
-by its compressed pool besides); cp is x_hc's leading axis. The first whose marks a snapshot
-holds is its layer's, so HCA's comes first."""
+by its compressed pool besides), cp x_hc's leading axis; then the exchanges alone
+(scope=collectives), told by their sources. The first whose marks a snapshot holds is its
+layer's, so HCA's come first."""
 
 from ..contract.declaration import Declaration, Dim
 
@@ -19,7 +20,16 @@ _DIMS = (
     Dim("prefill_ori_block_num", ("in/kv_cache",), 1),  # the raw-KV ring's pages
 )
 _MARKS = ("reverse_index", "overlay_active_lengths")
+# scope=collectives: an exchange's sources alone (layers/prefill/collectives.py, hca_collectives.py),
+# the case in our manifest; each layout's by its source, cited from it.
+_EXCHANGE_DIMS = (Dim("head_dim", ("in/local_kv_tail", "in/kv"), -1),
+                  Dim("hidden_size", ("in/local_hidden_tail",), -1))
+_EXCHANGES = (("hca", ("local_kv_tail", "local_hidden_tail", "reverse_index")), ("swa", ("local_kv_tail", "reverse_index")),
+              ("hca", ("kv", "local_state")), ("swa", ("kv",)))
 
-PHASE_DECLARATIONS = tuple(
-    Declaration(name, phase="prefill", marks=marks, group_key="cp", anchors=("in/x_hc",), dims=_DIMS)
-    for name, marks in (("hca", (*_MARKS, "cmp_kv")), ("swa", _MARKS)))
+PHASE_DECLARATIONS = (
+    *(Declaration(name, phase="prefill", marks=marks, group_key="cp", anchors=("in/x_hc",), dims=_DIMS)
+      for name, marks in (("hca", (*_MARKS, "cmp_kv")), ("swa", _MARKS))),
+    *(Declaration(name, phase="prefill", marks=marks, group_key="cp", anchors=(f"in/{marks[0]}",), dims=_EXCHANGE_DIMS)
+      for name, marks in _EXCHANGES),
+)

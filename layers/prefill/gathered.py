@@ -30,8 +30,10 @@ def _kv_allgather_reference(ctx: RankContext, v: Values) -> dict[str, torch.Tens
     return {"gathered_kv": exchange.rank_major(v["kv"])}
 
 
-def _key_table(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
-    rows = tables.gathered_key_rows(v["query_position_ids"], v["overlay_active_lengths"], v["segment_starts_t"],
+def key_table(ctx: RankContext, v: Values, positions: str = "query_position_ids") -> dict[str, torch.Tensor]:
+    """The gathered_key_table stage; `positions`: the name of the rank's query position table
+    (HCA's reference calls it query_positions)."""
+    rows = tables.gathered_key_rows(v[positions], v["overlay_active_lengths"], v["segment_starts_t"],
                                     v["reverse_index"], ctx.case.window, v["kv_cache"][..., 0, 0].numel())
     return {"swa_key_rows": rows}
 
@@ -60,7 +62,7 @@ def stages() -> tuple[Stage, ...]:
         Stage("kv_allgather", ("kv",), (judged(exact("gathered_kv"), bf16_close("gathered_kv")),),
               _kv_allgather, reference=_kv_allgather_reference, every_rank=("kv",)),
         Stage("gathered_key_table", ("query_position_ids", "overlay_active_lengths", "segment_starts_t", "reverse_index",
-                                     "kv_cache"), (judged(exact("swa_key_rows")),), _key_table),
+                                     "kv_cache"), (judged(exact("swa_key_rows")),), key_table),
         Stage("window_attention", ("q", "gathered_kv", "kv_cache", "swa_key_rows", "attn_sink"),
               (judged(AllcloseCheck("o", atol=1e-4, rtol=1 / 128)),), _window_attention),
         shared["o_proj"],
@@ -70,4 +72,4 @@ def stages() -> tuple[Stage, ...]:
     )  # fmt: skip
 
 
-__all__ = ["stages"]
+__all__ = ["key_table", "stages"]

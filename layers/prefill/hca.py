@@ -180,16 +180,21 @@ def compressed_key_rows(positions: torch.Tensor, active: torch.Tensor, cmp_block
     return torch.where(slots < visible[:, None], hca_tables.cmp_rows(cmp_block_table, slots), -1)
 
 
-def _window_attention(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+def attend(ctx: RankContext, v: Values, staged: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`o`: each query over its window keys (`swa_key_rows` into the layout's `staged` rows)
+    then its visible compressed rows, one joint softmax with the sink."""
     m = ctx.model
-    hd = v["kv"].shape[-1]
-    staged = torch.cat((v["kv_cache"].reshape(-1, hd), v["logical_tails_out"].reshape(-1, hd), v["kv"]))
     win_keys, win_valid = attention.gather_rows(staged, v["swa_key_rows"].reshape(-1, m.sliding_window))
     active = swa.row_mask(v["overlay_active_lengths"], ctx.case.window)
     rows = compressed_key_rows(v[POSITIONS].reshape(-1), active, v["cmp_block_table"], m.index_topk)
     cmp_keys, cmp_valid = attention.gather_rows(v["cmp_kv"], rows)
     keys, valid = torch.cat((win_keys, cmp_keys), dim=1), torch.cat((win_valid, cmp_valid), dim=1)
     return {"o": attention.sparse_attention(v["q"], keys, valid, v["attn_sink"], m.softmax_scale)}
+
+
+def _window_attention(ctx: RankContext, v: Values) -> dict[str, torch.Tensor]:
+    hd = v["kv"].shape[-1]
+    return attend(ctx, v, torch.cat((v["kv_cache"].reshape(-1, hd), v["logical_tails_out"].reshape(-1, hd), v["kv"])))
 
 
 def stages() -> tuple[Stage, ...]:
@@ -230,4 +235,4 @@ def stages() -> tuple[Stage, ...]:
 
 
 __all__ = ["POSITIONS", "COMPRESSOR_WEIGHTS", "CMP_ROWS", "COMPACT", "default_checks", "reference_checks",
-           "part_states", "compress_part", "commit_compact", "compressed_key_rows", "stages"]
+           "part_states", "compress_part", "commit_compact", "compressed_key_rows", "attend", "stages"]

@@ -14,14 +14,14 @@ import torch
 
 from ..components.hca_compressor import COMPRESS_RATIO
 from ..contract.checks import Check
-from ..contract.config import ConfigError
 from ..contract.context import RankContext
+from ..contract.staged import StagedLayer
 from ..contract.tensors import Kind, TensorSpec
 from ..distributed import wire
 from . import golden as swa_golden
-from . import hca, hca_fixture, hca_golden, hca_tables, tables
+from . import hca, hca_collectives, hca_fixture, hca_gathered, hca_golden, hca_tables, tables
 from .case import PrefillCase
-from .layer import PrefillSWALayer
+from .layer import GATHERED as GATHERED_SWA, PrefillSWALayer
 
 COMPARED = ("kv_cache", "cmp_kv", "compress_state", "x_out")
 
@@ -39,22 +39,7 @@ class PrefillHCALayer(PrefillSWALayer):
 
     def validate(self, case: PrefillCase) -> None:
         case.validate()
-        if case.cp_layout != "zigzag":
-            raise ConfigError(f"layer=hca phase=prefill runs cp_layout=zigzag (the reference's); "
-                              f"cp_layout={case.cp_layout} is built for layer=swa only")
-        if case.scope != "full":
-            raise ConfigError(f"layer=hca phase=prefill runs scope=full; scope={case.scope} is built for "
-                              f"layer=swa only")
-        if case.window != COMPRESS_RATIO:
-            raise ConfigError(f"layer=hca phase=prefill needs sliding_window = {COMPRESS_RATIO} (the compress "
-                              f"ratio: a segment's tail must hold every row a pooling window reaches back to); "
-                              f"model {case.model.name!r} has {case.window}")
-        slots = (case.prefix + case.total) // COMPRESS_RATIO
-        capacity = hca_tables.CMP_BLOCK_NUM * hca_tables.CMP_STORAGE_BLOCK_SIZE
-        if slots > capacity:
-            raise ConfigError(f"prefix + prompt = {case.prefix + case.total} completes {slots} compressed rows; the "
-                              f"compressed pool is a ring of {capacity} (the reference's): keep it <= "
-                              f"{capacity * COMPRESS_RATIO + COMPRESS_RATIO - 1} positions")
+        hca_tables.check_case(case)
 
     def checks(self, case: PrefillCase) -> tuple[Check, ...]:
         return hca.default_checks()
@@ -125,6 +110,31 @@ class PrefillHCALayer(PrefillSWALayer):
         return {n: t if n in self.replicated_inputs else t[rank].clone() for n, t in stacked.items()}
 
 
-LAYER = PrefillHCALayer()
+class GatheredPrefillHCALayer(PrefillHCALayer):
+    """The contiguous layout's HCA layer: the replicated-KV all-gather of the projected KV and
+    compressor-state rows, every compressed row made on every rank (`hca_gathered.stages()`)."""
 
-__all__ = ["COMPARED", "PrefillHCALayer", "LAYER"]
+    replicated_inputs = PrefillHCALayer.replicated_inputs | {"gathered_slot_mapping"}
+
+    def stages(self, model) -> tuple:
+        return hca_gathered.stages()
+
+    def layout_tables(self, case: PrefillCase) -> dict[str, TensorSpec]:
+        return GATHERED_SWA.layout_tables(case)
+
+
+LAYER = PrefillHCALayer()
+GATHERED = GatheredPrefillHCALayer()
+LAYOUTS = {"zigzag": LAYER, "contiguous": GATHERED}
+
+
+def of_case(case: PrefillCase, scope: str | None = None) -> StagedLayer:
+    """The HCA layer of the case's layout, or its exchanges alone under scope=collectives
+    (`scope`: in place of the case's own). An unknown layout or scope: the zigzag layer, whose
+    validate refuses it."""
+    if (case.scope if scope is None else scope) == "collectives":
+        return hca_collectives.SCOPE
+    return LAYOUTS.get(case.cp_layout, LAYER)
+
+
+__all__ = ["COMPARED", "PrefillHCALayer", "GatheredPrefillHCALayer", "LAYER", "GATHERED", "LAYOUTS", "of_case"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..components.hca_compressor import COMPRESS_RATIO
+from ..contract.config import ConfigError
 from . import tables
 from .case import PrefillCase
 
@@ -24,6 +25,22 @@ CMP_BLOCK_NUM = 32  # the reference's PREFILL_CMP_BLOCK_NUM: the compressed-row 
 CMP_STORAGE_BLOCK_SIZE = 1  # BLOCK_SIZE // COMPRESS_RATIO: rows per cmp page
 CMP_ROWS_PER_SEGMENT = 2  # a segment of ≤ 256 rows completes at most two 128-position blocks
 META_DIM = 8  # the reference's CMP_META_DIM / STATE_META_DIM
+
+
+def check_case(case: PrefillCase) -> None:
+    """What an HCA prefill case needs beyond the CP rules: a window of the compress ratio (a
+    segment's tail must hold every row a pooling window reaches back to) and a prompt whose
+    compressed rows fit the ring without overwriting rows a query still reads."""
+    if case.window != COMPRESS_RATIO:
+        raise ConfigError(f"layer=hca phase=prefill needs sliding_window = {COMPRESS_RATIO} (the compress "
+                          f"ratio: a segment's tail must hold every row a pooling window reaches back to); "
+                          f"model {case.model.name!r} has {case.window}")
+    slots = (case.prefix + case.total) // COMPRESS_RATIO
+    capacity = CMP_BLOCK_NUM * CMP_STORAGE_BLOCK_SIZE
+    if slots > capacity:
+        raise ConfigError(f"prefix + prompt = {case.prefix + case.total} completes {slots} compressed rows; the "
+                          f"compressed pool is a ring of {capacity} (the reference's): keep it <= "
+                          f"{capacity * COMPRESS_RATIO + COMPRESS_RATIO - 1} positions")
 
 
 def state_block_size(case: PrefillCase) -> int:
@@ -102,5 +119,5 @@ def owner_part_table(case: PrefillCase) -> torch.Tensor:
 
 
 __all__ = ["STATE_PHYSICAL_BLOCKS", "CMP_BLOCK_NUM", "CMP_STORAGE_BLOCK_SIZE", "CMP_ROWS_PER_SEGMENT", "META_DIM",
-           "state_block_size", "state_table", "cmp_table", "state_rows", "cmp_rows", "boundaries",
+           "check_case", "state_block_size", "state_table", "cmp_table", "state_rows", "cmp_rows", "boundaries",
            "final_state_positions", "final_segment", "segment_tail_positions", "snapshot", "owner_part_table"]

@@ -10,10 +10,9 @@ PREFILL = {swa_layer.LAYER.name: swa_layer.LAYER, hca_layer.LAYER.name: hca_laye
 
 
 def of_case(case: PrefillCase, scope: str | None = None) -> StagedLayer:
-    """The layer of the case: SWA's by layout and scope (`layer.of_case`); HCA's one layer,
-    whose validate refuses what it does not run."""
+    """The layer of the case by layer, layout and scope (`layer.of_case`, `hca_layer.of_case`)."""
     if case.layer == hca_layer.LAYER.name:
-        return hca_layer.LAYER
+        return hca_layer.of_case(case, scope)
     return swa_layer.of_case(case, scope)
 
 

@@ -180,3 +180,13 @@ __all__ = [
     "PatchesNormDuringCall",
     "PatchesNormWhenDropped",
 ]
+
+from .prefill_defects import (  # noqa: E402
+    PrefillHCAAllGatherRingOrder,
+    PrefillHCAGatheredOwnBlocksOnly,
+)
+
+__all__ += [
+    "PrefillHCAAllGatherRingOrder",
+    "PrefillHCAGatheredOwnBlocksOnly",
+]

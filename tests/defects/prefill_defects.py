@@ -158,3 +158,42 @@ class PrefillHCACompressedRowsOnOwnerOnly(StageDefect):
         no_state = (v["local_state_payload"][None][:0], v["local_state_meta"][None][:0])
         return hca.commit_compact({**v, **out}, v["local_cmp_payload"][None], v["local_cmp_meta"][None], *no_state,
                                   ctx.model.c128_state_block_size)
+
+
+# -- context-parallel prefill, HCA under the contiguous layout: the replicated-KV all-gather ------
+class PrefillHCAAllGatherRingOrder(StageDefect):
+    """HCA contiguous: the all-gather of the KV and compressor-state rows left in ring arrival
+    order (rank r's block i holds rank (i + r) mod cp's rows), so every rank but 0 reads its
+    keys and pools its blocks from the wrong ranks' rows."""
+
+    stages = ("kv_allgather",)
+
+    def defective(self, stage, ctx, v):
+        out = stage.run(ctx, v)
+        return {n: torch.roll(t.reshape(ctx.case.cp, -1, t.shape[-1]), -ctx.rank, dims=0).reshape(-1, t.shape[-1])
+                for n, t in out.items()}
+
+
+class PrefillHCAGatheredOwnBlocksOnly(StageDefect):
+    """HCA contiguous: zigzag's compressor without its compact exchange: each rank commits only
+    the compressed rows of the blocks ending in its own segments, and the final state rows only
+    on the final segment's owner."""
+
+    stages = ("gathered_compressor",)
+
+    def defective(self, stage, ctx, v):
+        from layers.components.hca_compressor import COMPRESS_RATIO
+        from layers.prefill import hca_tables, tables
+
+        case, hd = ctx.case, ctx.model.head_dim
+        cmp_before, state_before = v["cmp_kv"].clone(), v["compress_state"].clone()
+        out = stage.run(ctx, v)
+        own = tables.owner_segments(case)[ctx.rank]
+        for b in hca_tables.boundaries(case.prefix, case.prefix + case.total):
+            segment = max(i for i, st in enumerate(case.starts) if st <= b)
+            if segment not in own:
+                row = hca_tables.cmp_rows(v["cmp_block_table"], torch.tensor([(b + 1) // COMPRESS_RATIO - 1]))
+                out["cmp_kv"].view(-1, hd)[row] = cmp_before.view(-1, hd)[row]
+        if case.num_segments - 1 not in own:
+            out["compress_state"].copy_(state_before)
+        return out

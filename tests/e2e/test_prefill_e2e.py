@@ -4,11 +4,14 @@ snapshots replay with golden_data alone (a perturbed copy FAILs)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+from launcher.store import snapshot
 
 from .. import defects
 from ..conftest import REPO, reference_snapshot
@@ -154,3 +157,31 @@ def test_saved_prefill_snapshot_replays(tp_run, tmp_path, layout):
     assert replay.exit_code == 0, replay
     assert replay.result["case"]["segment_lens"] == [128, 60, 200, 128] and replay.result["case"]["prefix"] == 40
     assert replay.result["case"]["cp_layout"] == layout
+
+
+@pytest.mark.parametrize("layer, layout, output", [("swa", "contiguous", "gathered_kv"), ("hca", "zigzag", "cmp_kv")])
+def test_saved_collectives_snapshot_replays_and_a_perturbed_one_fails(tp_run, tmp_path, layer, layout, output):
+    """An exchange's snapshot holds no segment tables: the reader takes the prefill case from
+    its manifest (told by the sources it holds), replays it to PASS, and FAILs a perturbed
+    output on its rank; without the manifest it says what is missing."""
+    saved = tmp_path / "saved"
+    first = tp_run(layer=layer, phase="prefill", cp=2, cp_layout=layout, scope="collectives", model="tiny", prefix=40,
+                   segment_lens="[128,60,200,128]", save_data=str(saved))
+    assert first.exit_code == 0, first
+    replay = tp_run(golden_data=str(saved))
+    assert replay.exit_code == 0, replay
+    case = replay.result["case"]
+    assert (case["layer"], case["scope"], case["cp_layout"], case["prefix"]) == (layer, "collectives", layout, 40), replay
+    path = saved / "out" / f"{output}.pt"
+    t = torch.load(path, weights_only=True)
+    t[1].view(-1)[t[1].numel() // 2] += 1
+    torch.save(t, path)
+    manifest = json.loads((saved / "manifest.json").read_text())
+    del manifest["sha256"][f"out/{output}.pt"]  # a perturbed copy, not a changed file: no sha256 to refuse it by
+    (saved / "manifest.json").write_text(json.dumps(snapshot.sealed(manifest)))
+    perturbed = tp_run(golden_data=str(saved))
+    assert perturbed.exit_code == 1, perturbed
+    assert [r["rank"] for r in perturbed.verdict(output)["per_rank"] if r["n_bad"]] == [1], perturbed
+    (saved / "manifest.json").unlink()
+    bare = tp_run(golden_data=str(saved))
+    assert bare.exit_code != 0 and "must name scope, prefix, segment_lens" in bare.output, bare

@@ -362,3 +362,22 @@ def test_console_report_of_a_node_without_rank_0():
     result = {**_failing_result(), "verdicts": [], "compared_on_node": 0, "node_rank": 1, "passed": True}
     assert render(result).splitlines()[-2:] == ["node 1: rank 0 on node 0 compared; its verdict: PASS",
                                                 "VERDICT: PASS (1.0s)"]
+
+
+def test_bench_prefill_counts_the_cpu_of_every_process_under_it(monkeypatch):
+    """scripts/bench_prefill.py: the process tree's CPU covers a CPU-bound grandchild (the
+    launcher's ranks are not waited for, so rusage would miss them), and the table gives
+    each pair's ratios and each rank's stage CPU."""
+    prefill = _bench_module(monkeypatch, "bench_prefill")
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    grandchild = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {spin!r}]).wait()"
+    with prefill.TreeCpu() as cpu:
+        subprocess.run([sys.executable, "-c", grandchild], check=True)
+    assert cpu.seconds >= 0.4, cpu.last
+    pair = {"load": 3.0, "ours_s": 20.0, "ours_cpu_s": 18.0, "reference_s": 40.0, "reference_cpu_s": 36.0, "ratio": 0.5,
+            "cpu_ratio": 0.5, "ours_rank_cpu": [{"fixture": 1.0, "golden": 3.0, "layer": 3.0, "compare": 2.0}] * 2}
+    table = prefill.report_prefill({"cp": 2, "model": "flash", "reference_threads": 2,
+                                    "layers": {"hca": {"pairs": [pair], "median_ratio": 0.5, "median_cpu_ratio": 0.5,
+                                                       "median_ours_s": 20.0, "median_reference_s": 40.0}}})
+    assert "| hca | 1 | 3.0 | 20.0 s / 18.0 s | 40.0 s / 36.0 s | 0.50 | 0.50 | 1.0, 3.0, 3.0, 2.0; 1.0, 3.0, 3.0, 2.0 |" in table
+    assert "| hca | median | | 20.0 s | 40.0 s | 0.50 | 0.50 | |" in table

@@ -8,7 +8,7 @@ import torch
 
 from layers.contract.config import TINY, ConfigError
 from layers.contract.context import RankContext
-from layers.prefill import collectives, layer
+from layers.prefill import collectives, layer, registry
 from layers.prefill.case import PrefillCase
 from tests.prefill.judge import failures
 
@@ -60,12 +60,15 @@ def test_wrong_order_on_one_rank_fails_there(layout, output):
     assert _judge(c, _group(c, swap)) == [(1, output)]
 
 
-def test_golden_refuses_other_sources():
-    c = case(2)
-    tensors = collectives.SCOPE.rank_inputs(c, 0)
-    tensors["local_kv_tail"] = tensors["local_kv_tail"] + 1
+@pytest.mark.parametrize("c, source", [(case(2), "local_kv_tail"),
+                                       (PrefillCase("hca", TINY, 2, 7, scope="collectives"), "local_hidden_tail")],
+                         ids=["swa", "hca"])
+def test_golden_refuses_other_sources(c, source):
+    scope = registry.of_case(c)
+    tensors = scope.rank_inputs(c, 0)
+    tensors[source] = tensors[source] + 1
     with pytest.raises(ValueError, match="closed-form sources"):
-        collectives.SCOPE.golden(c, tensors)
+        scope.golden(c, tensors)
 
 
 def test_other_scopes_refused():

@@ -1,5 +1,5 @@
 """HCA CP prefill at tiny dims in one process against the independent whole-prompt golden: the
-canonical case and those the reference never runs (history, uneven segments whose compressor
+canonical case and those the reference never runs (both layouts, history, uneven segments whose compressor
 windows straddle ranks, short segments, cp 1/4/8), the golden's own properties, the defects
 of the rank-local stages that must FAIL naming tensor and rank (the compact-exchange defects
 run through the launcher, tests/e2e/test_prefill_hca.py), and the early refusals."""
@@ -14,7 +14,7 @@ import torch
 
 from layers.components.hca_compressor import COMPRESS_RATIO
 from layers.contract.config import TINY, ConfigError
-from layers.prefill import fixture, golden as swa_golden, hca, hca_fixture, hca_golden, hca_layer, hca_tables
+from layers.prefill import fixture, golden as swa_golden, hca, hca_fixture, hca_golden, hca_layer, hca_tables, registry
 from layers.prefill.case import PrefillCase
 from tests import defects
 from tests.prefill.group import run_group
@@ -47,11 +47,13 @@ def case(cp=2, **kw) -> PrefillCase:
     return PrefillCase("hca", TINY, cp, 7, **kw)
 
 
-def _with_defect(defect) -> tuple:
-    """The stage list with the defect's (rank-local) stages replaced by its version."""
+def _with_defect(defect, c: PrefillCase | None = None) -> tuple:
+    """The stage list of case `c`'s layout (zigzag's without one) with the defect's
+    (rank-local) stages replaced by its version."""
     impl = defect()
+    listed = registry.of_case(c).stages(c.model) if c is not None else hca.stages()
     return tuple(dataclasses.replace(s, run=functools.partial(impl.defective, s)) if s.name in impl.stages else s
-                 for s in hca.stages())
+                 for s in listed)
 
 
 @pytest.mark.parametrize("c", [
@@ -60,14 +62,19 @@ def _with_defect(defect) -> tuple:
     case(2, prefix=300, segment_lens=(200, 77, 256, 130)),  # compressor windows straddle ranks
     case(2, prefix=100, segment_lens=(128, 40, 30, 128)),  # a window reaches two segments back
     case(4, prefix=1000, segment_lens=(1, 255, 64, 100, 128, 3, 250, 60)),  # one-row segments, the top-k cap
-], ids=lambda c: f"cp{c.cp}-p{c.prefix}-{'x'.join(map(str, c.lengths))}")
+    # the contiguous layout: every rank pools every block from the gathered states
+    case(1, cp_layout="contiguous"), case(2, cp_layout="contiguous"),
+    case(2, cp_layout="contiguous", prefix=100, segment_lens=(128, 40, 30, 128)),
+    case(4, cp_layout="contiguous", prefix=300, segment_lens=(200, 77, 256, 130, 1, 60, 128, 3)),
+], ids=lambda c: f"{c.cp_layout}-cp{c.cp}-p{c.prefix}-{'x'.join(map(str, c.lengths))}")
 def test_case_passes(c):
     assert _run(c) == []
 
 
 @pytest.mark.slow
-def test_cp8_passes():
-    assert _run(case(8, segment_lens=(100,) * 16)) == []
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_cp8_passes(layout):
+    assert _run(case(8, cp_layout=layout, segment_lens=(100,) * 16)) == []
 
 
 def test_golden_depends_on_positions_only():
@@ -122,6 +129,18 @@ def test_defect_fails_naming_tensor_and_rank(defect, c, bad):
     assert bad <= set(_run(c, _with_defect(defect)))
 
 
+@pytest.mark.parametrize("c, bad", [
+    # rank 0 lacks rank 1's blocks 2, 3 and the final state rows; rank 1 lacks blocks 0, 1
+    (case(2, cp_layout="contiguous"), {(0, "cmp_kv"), (1, "cmp_kv"), (0, "compress_state")}),
+    (case(4, cp_layout="contiguous", prefix=300, segment_lens=(200, 77, 256, 130, 1, 60, 128, 3)),
+     {(r, "cmp_kv") for r in range(4)} | {(r, "compress_state") for r in range(3)}),
+], ids=["canonical", "uneven"])
+def test_contiguous_compressor_of_own_blocks_only_fails(c, bad):
+    """Under the contiguous layout no compact exchange follows the compressor: a rank that makes
+    only its own blocks' rows (zigzag's share) leaves the others' out of its pools."""
+    assert set(_run(c, _with_defect(defects.PrefillHCAGatheredOwnBlocksOnly, c))) == bad
+
+
 @pytest.mark.parametrize("defect", [defects.PrefillHCAWindowFromOwnRowsOnly,
                                     defects.PrefillHCAWindowFromPredecessorOnly])
 def test_window_defects_pass_when_blocks_align_with_segments(defect):
@@ -130,8 +149,6 @@ def test_window_defects_pass_when_blocks_align_with_segments(defect):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(cp_layout="contiguous"), "cp_layout=zigzag"),
-    (dict(scope="collectives"), "scope=full"),
     (dict(prefix=4000), "ring of 32"),
 ])
 def test_bad_case_refused_early(kw, words):
