@@ -1,7 +1,8 @@
 """The CP prefill snapshots' declarations (`layers.contract.declaration`; torch-free): the
-reference's prefill_cp_swa.py and prefill_cp_hca.py layouts, told by their layout tables (HCA's
-by its compressed pool besides); cp is x_hc's leading axis. The first whose marks a snapshot
-holds is its layer's, so HCA's comes first."""
+reference's prefill_cp_swa.py, prefill_cp_hca.py and prefill_cp_csa.py layouts, told by their
+layout tables (HCA's by its compressed pool besides, CSA's by its indexer pool); cp is x_hc's
+leading axis. The first whose marks a snapshot holds is its layer's, so CSA's (which holds a
+compressed pool too) comes first, then HCA's."""
 
 from ..contract.declaration import Declaration, Dim
 
@@ -21,4 +22,4 @@ _MARKS = ("reverse_index", "overlay_active_lengths")
 
 PHASE_DECLARATIONS = tuple(
     Declaration(name, phase="prefill", marks=marks, group_key="cp", anchors=("in/x_hc",), dims=_DIMS)
-    for name, marks in (("hca", (*_MARKS, "cmp_kv")), ("swa", _MARKS)))
+    for name, marks in (("csa", (*_MARKS, "idx_kv_cache")), ("hca", (*_MARKS, "cmp_kv")), ("swa", _MARKS)))

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from ..contract.staged import StagedLayer
-from . import hca_layer, layer as swa_layer
+from . import csa_layer, hca_layer, layer as swa_layer
 from .case import PrefillCase
 
-PREFILL = {swa_layer.LAYER.name: swa_layer.LAYER, hca_layer.LAYER.name: hca_layer.LAYER}
+PREFILL = {layer.name: layer for layer in (swa_layer.LAYER, hca_layer.LAYER, csa_layer.LAYER)}
 
 
 def of_case(case: PrefillCase, scope: str | None = None) -> StagedLayer:
-    """The layer of the case: SWA's by layout and scope (`layer.of_case`); HCA's one layer,
-    whose validate refuses what it does not run."""
-    if case.layer == hca_layer.LAYER.name:
-        return hca_layer.LAYER
+    """The layer of the case: SWA's by layout and scope (`layer.of_case`); HCA's and CSA's one
+    layer each, whose validate refuses what it does not run."""
+    if case.layer != swa_layer.LAYER.name:
+        return PREFILL[case.layer]
     return swa_layer.of_case(case, scope)
 
 
