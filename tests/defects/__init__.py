@@ -63,6 +63,11 @@ from .prefill_defects import (
     PrefillHCAWindowFromPredecessorOnly,
     PrefillHCAStateOnOwnerOnly,
     PrefillHCACompressedRowsOnOwnerOnly,
+    PrefillCSALocalRopePositions,
+    PrefillCSAWindowFromOwnRowsOnly,
+    PrefillCSAInnerStateFromWrongSegment,
+    PrefillCSATopkAtLocalPositions,
+    PrefillCSAIndexerRowsOnOwnerOnly,
 )
 from .process_faults import (
     ExitOnRank1,
@@ -179,4 +184,9 @@ __all__ = [
     "PatchesNormInConstructor",
     "PatchesNormDuringCall",
     "PatchesNormWhenDropped",
+    "PrefillCSALocalRopePositions",
+    "PrefillCSAWindowFromOwnRowsOnly",
+    "PrefillCSAInnerStateFromWrongSegment",
+    "PrefillCSATopkAtLocalPositions",
+    "PrefillCSAIndexerRowsOnOwnerOnly",
 ]

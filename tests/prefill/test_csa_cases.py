@@ -16,6 +16,7 @@ import torch
 from layers.contract.config import TINY, ConfigError
 from layers.prefill import csa, csa_fixture, csa_golden, csa_layer, csa_math, csa_tables, fixture
 from layers.prefill.case import PrefillCase
+from tests import defects
 from tests.prefill.group import run_group
 from tests.prefill.judge import failures
 
@@ -44,6 +45,13 @@ def _run(case: PrefillCase, stages=None) -> list[tuple[int, str]]:
 
 def case(cp=2, **kw) -> PrefillCase:
     return PrefillCase("csa", TINY, cp, 7, **kw)
+
+
+def _with_defect(defect) -> tuple:
+    """The stage list with the defect's (rank-local) stages replaced by its version."""
+    impl = defect()
+    return tuple(dataclasses.replace(s, run=functools.partial(impl.defective, s)) if s.name in impl.stages else s
+                 for s in csa.stages())
 
 
 @pytest.mark.parametrize("c", [
@@ -170,3 +178,16 @@ def test_beyond_reference_names_a_window_reaching_two_segments_back():
     notes = case(2, prefix=6, segment_lens=(3, 2, 5, 128)).beyond_reference()
     assert any("compressor window reaching past" in n for n in notes)
     assert not any("compressor window" in n for n in case(2, segment_lens=(100,) * 4).beyond_reference())
+
+
+@pytest.mark.parametrize("defect, c, bad", [
+    (defects.PrefillCSALocalRopePositions, case(2), {(1, "x_out"), (0, "kv_cache"), (1, "kv_cache")}),
+    # every segment's first block pools the 4 positions before it: the overlap always straddles
+    (defects.PrefillCSAWindowFromOwnRowsOnly, case(2),
+     {(r, n) for r in (0, 1) for n in ("cmp_kv", "idx_kv_cache", "idx_kv_scale", "x_out")}),
+    (defects.PrefillCSAInnerStateFromWrongSegment, case(2), {(0, "inner_compress_state"), (1, "inner_compress_state")}),
+    (defects.PrefillCSATopkAtLocalPositions, case(2), {(0, "x_out"), (1, "x_out")}),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_defect_fails_naming_tensor_and_rank(defect, c, bad):
+    assert bad <= set(_run(c, _with_defect(defect)))
+
