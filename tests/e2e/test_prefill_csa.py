@@ -9,6 +9,7 @@ import re
 import pytest
 
 from .. import defects
+from .prefill_runs import assert_fails_and_located, assert_saved_run_replays
 
 COMPARED = ("kv_cache", "cmp_kv", "idx_kv_cache", "idx_kv_scale", "compress_state", "inner_compress_state", "x_out")
 
@@ -38,10 +39,7 @@ def test_csa_prefill_defect_fails_naming_tensor_and_rank_and_bisect_locates_it(t
     """Each defect FAILs the named tensors on the named ranks (others may fail too) and bisect
     names the first divergent stage and its ranks."""
     run = tp_run(layer="csa", phase="prefill", cp=2, model="tiny", impl=impl, bisect=True)
-    assert run.exit_code == 1, run
-    bad = {t: [r["rank"] for r in run.verdict(t)["per_rank"] if r["n_bad"]] for t in COMPARED}
-    assert {t: bad[t] for t in failing} == failing, run
-    assert (run.result["bisect"]["stage"], run.result["bisect"]["ranks"]) == located, run
+    assert_fails_and_located(run, COMPARED, failing, located)
 
 
 @pytest.mark.parametrize("keys, words", [
@@ -57,16 +55,5 @@ def test_csa_prefill_refusals(tp_run, keys, words):
 def test_saved_csa_snapshot_replays(tp_run, tmp_path):
     """The reference's tensor names in the saved folder; a replay with golden_data alone reads the
     case back and PASSes, with our manifest or without it (its indexer pool names the layer)."""
-    saved = tmp_path / "saved"
-    first = tp_run(layer="csa", phase="prefill", cp=2, model="tiny", prefix=301, segment_lens="[201,77,256,130]",
-                   save_data=str(saved))
-    assert first.exit_code == 0, first
-    names = {p.stem for p in (saved / "in").iterdir()}
-    assert {"idx_kv_cache", "inner_compress_state_block_table", "idx_weights_proj", "query_positions"} <= names, names
-    replay = tp_run(golden_data=str(saved))
-    assert replay.exit_code == 0, replay
-    case = replay.result["case"]
-    assert (case["layer"], case["segment_lens"], case["prefix"]) == ("csa", [201, 77, 256, 130], 301), replay
-    (saved / "manifest.json").unlink()
-    bare = tp_run(golden_data=str(saved))
-    assert bare.exit_code == 0 and bare.result["case"]["layer"] == "csa", bare
+    assert_saved_run_replays(tp_run, tmp_path / "saved", "csa", 301, [201, 77, 256, 130],
+                             {"idx_kv_cache", "inner_compress_state_block_table", "idx_weights_proj", "query_positions"})

@@ -123,7 +123,7 @@ def test_compressed_row_pools_its_block_and_the_one_before():
 
 
 def test_top_k_selects():
-    """Queries see more compressed rows than they keep: at tiny dims from position 68 on; at
+    """Queries see more compressed rows than they keep: at tiny dims from position 67 on; at
     the real dims' canonical cases only from cp=8 (512 rows against the reference's 256)."""
     from layers.contract.config import FLASH
     assert csa_tables.selected_width(TINY.index_topk) == 16
