@@ -68,6 +68,7 @@ from .prefill_defects import (
     PrefillCSAInnerStateFromWrongSegment,
     PrefillCSATopkAtLocalPositions,
     PrefillCSAIndexerRowsOnOwnerOnly,
+    PrefillCSAWindowFromPredecessorOnly,
 )
 from .process_faults import (
     ExitOnRank1,
@@ -189,4 +190,5 @@ __all__ = [
     "PrefillCSAInnerStateFromWrongSegment",
     "PrefillCSATopkAtLocalPositions",
     "PrefillCSAIndexerRowsOnOwnerOnly",
+    "PrefillCSAWindowFromPredecessorOnly",
 ]

@@ -214,3 +214,21 @@ class PrefillCSAIndexerRowsOnOwnerOnly(StageDefect):
         out["idx_kv_cache"].view(-1, v["idx_payload"].shape[-1])[rows] = v["idx_payload"][slots >= 0]
         out["idx_kv_scale"].view(-1, 1)[rows] = v["idx_scale_payload"][slots >= 0]
         return out
+
+
+class PrefillCSAWindowFromPredecessorOnly(StageDefect):
+    """CSA: the reference's seed: a segment's compressors see only its immediate predecessor's
+    rows before it, so a window reaching two segments back reads zeros there."""
+
+    stages = ("compressor",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import csa
+
+        tails, preds = v["logical_hidden_tails"], [int(p) for p in v["predecessor_segments"]]
+        only = [tails * (torch.arange(tails.shape[0]) == p).to(tails.dtype)[:, None, None] for p in preds]
+        runs = [stage.run(ctx, {**v, "logical_hidden_tails": kept}) for kept in only]
+        half = csa.PAYLOAD_ROWS // 2  # part p's compressed rows from run p, the final state from its part's
+        final_part = int(preds[1] + 1 == int(v["final_segment_t"][0]))
+        return {n: torch.cat((runs[0][n][:half], runs[1][n][half:])) if n in csa.COMPACT[:4] else runs[final_part][n]
+                for n in csa.COMPACT}

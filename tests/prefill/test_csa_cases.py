@@ -187,7 +187,16 @@ def test_beyond_reference_names_a_window_reaching_two_segments_back():
      {(r, n) for r in (0, 1) for n in ("cmp_kv", "idx_kv_cache", "idx_kv_scale", "x_out")}),
     (defects.PrefillCSAInnerStateFromWrongSegment, case(2), {(0, "inner_compress_state"), (1, "inner_compress_state")}),
     (defects.PrefillCSATopkAtLocalPositions, case(2), {(0, "x_out"), (1, "x_out")}),
+    # segment 2's first block pools positions 4 … 11: history, segment 0's, segment 1's
+    (defects.PrefillCSAWindowFromPredecessorOnly, case(2, prefix=6, segment_lens=(3, 2, 5, 128)),
+     {(r, n) for r in (0, 1) for n in ("cmp_kv", "idx_kv_scale")}),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_defect_fails_naming_tensor_and_rank(defect, c, bad):
     assert bad <= set(_run(c, _with_defect(defect)))
 
+
+
+def test_predecessor_only_windows_pass_when_every_segment_is_longer_than_a_window():
+    """Segments of 130 after 301 history rows: every window reaches at most one segment back."""
+    c = case(2, prefix=301, segment_lens=(130,) * 4)
+    assert _run(c, _with_defect(defects.PrefillCSAWindowFromPredecessorOnly)) == []
