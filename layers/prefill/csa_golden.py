@@ -58,7 +58,8 @@ def golden(case: PrefillCase, ranks: Sequence[Mapping[str, torch.Tensor]],
     seen = csa_math.visible(positions, torch.ones_like(positions, dtype=torch.bool))
     n = int(seen.max()) if seen.numel() else 0
     cmp_indices = csa_math.select(m, q, q_scale, weights, idx[:n], idx_scale[:n].view(-1), seen)
-    cmp_keys, cmp_valid = attention.gather_rows(cmp, cmp_indices)
+    # A prompt before its first compressed row selects none: one zero row stands for the empty pool.
+    cmp_keys, cmp_valid = attention.gather_rows(cmp if cmp.shape[0] else cmp.new_zeros(1, m.head_dim), cmp_indices)
     win_keys, win_valid = swa_golden.window_keys(case, front["kv"], w["kv_cache"])
     keys, valid = torch.cat((win_keys, cmp_keys), dim=1), torch.cat((win_valid, cmp_valid), dim=1)
     x_out = swa_golden.attend_and_project(m, w, prompt, front, keys, valid)

@@ -59,6 +59,7 @@ def _with_defect(defect) -> tuple:
     case(2, prefix=301),  # windows, raw and compressed, reach into history; a block straddles it
     case(2, prefix=300, segment_lens=(201, 77, 256, 130)),  # compressor windows straddle ranks
     case(2, prefix=6, segment_lens=(3, 2, 5, 128)),  # windows reach several segments back, and history
+    case(2, prefix=2, segment_lens=(1, 1, 1, 1)),  # one-row segments; the early queries select no row
 ], ids=lambda c: f"cp{c.cp}-p{c.prefix}-{'x'.join(map(str, c.lengths))}")
 def test_case_passes(c):
     assert _run(c) == []
