@@ -201,3 +201,18 @@ def test_predecessor_only_windows_pass_when_every_segment_is_longer_than_a_windo
     """Segments of 130 after 301 history rows: every window reaches at most one segment back."""
     c = case(2, prefix=301, segment_lens=(130,) * 4)
     assert _run(c, _with_defect(defects.PrefillCSAWindowFromPredecessorOnly)) == []
+
+
+def test_default_profile_catches_one_wrong_indexer_row_the_reference_profile_lets_through():
+    """One committed int8 row off by 2: the default profile (no element budget) FAILs it, the
+    reference's (1 % of the pool) lets it through; off by 2 in 2 % of the pool FAILs both."""
+    c = case(1, segment_lens=(8, 8))
+    want = _expected(c, _inputs(c))
+    one, many = [dict(w) for w in want], [dict(w) for w in want]
+    for got, rows in ((one, 1), (many, 41)):  # 41 of the 2048 rows: 2 %
+        idx = got[0]["idx_kv_cache"].clone()
+        idx.view(-1, idx.shape[-1])[:rows] += 2
+        got[0]["idx_kv_cache"] = idx
+    assert failures(csa.default_checks(), one, want) == [(0, "idx_kv_cache")]
+    assert failures(csa.reference_checks(), one, want) == []
+    assert failures(csa.reference_checks(), many, want) == [(0, "idx_kv_cache")]
