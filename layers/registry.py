@@ -29,7 +29,7 @@ ROW_SCOPES = ("output", "collectives")
 # The MoE layer's own focused scopes (its two all-to-alls alone), in `layers.moe.collectives`.
 MOE_SCOPES = {"collectives": "MoECollectivesScope"}
 # The layers with a context-parallel prefill stage list (phase=prefill: `layers.prefill.registry`).
-PREFILL = ("swa", "hca")
+PREFILL = ("swa", "hca", "csa")
 # The case each set of case keys builds (`layers.contract.case.CASE_KEYS`, named by a layer's
 # config group), and the phases with a case of their own (their keys at the run config's top
 # level, `PrefillCase.config_keys`); decode, the first phase, builds its layer's key set's case.

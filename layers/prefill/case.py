@@ -13,13 +13,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..contract.case import group_seed
-from ..contract.config import HCA_COMPRESS_RATIO as COMPRESS_RATIO, ConfigError, ModelConfig
+from ..contract.config import HCA_COMPRESS_RATIO, ConfigError, ModelConfig
 
 LAYOUTS = ("zigzag", "contiguous")
-PREFILL_LAYERS = ("swa", "hca")  # the layers with a prefill stage list (layers/prefill/registry.py)
+PREFILL_LAYERS = ("swa", "hca", "csa")  # the layers with a prefill stage list (layers/prefill/registry.py)
 SCOPES = ("full", "collectives")  # the whole step, or its CP exchange alone (layers/prefill/collectives.py)
 # Query tiles per segment (the reference's MAX_SEGMENT_TILES): a segment is 1..2 windows long.
 MAX_SEGMENT_TILES = 2
+# CSA's compressors: ratio 4, each block pooled with the one before it (8 positions).
+CSA_COMPRESS_RATIO, CSA_POOLED_POSITIONS = 4, 8
 # Rows of one page of the raw-KV ring: the reference's prefill page (its mtp BLOCK_SIZE), 128
 # positions in every preset, as the segments' window is; the model sets the pages
 # (`ModelConfig.prefill_ori_block_num`).
@@ -160,18 +162,22 @@ class PrefillCase:
                              "of every predecessor but the first)")
         if self.cp not in (2, 4, 8):
             notes.append(f"cp={self.cp} (the reference accepts 2, 4, 8)")
-        if self.layer == "hca" and self._compressor_window_reaches_two_back():
+        if self.layer == "hca" and self._compressor_window_reaches_two_back(HCA_COMPRESS_RATIO, HCA_COMPRESS_RATIO):
             notes.append("a compressor window reaching past its segment's predecessor (the reference's scratch "
                          "pool holds the predecessor's tail only)")
+        if self.layer == "csa" and self._compressor_window_reaches_two_back(CSA_COMPRESS_RATIO, CSA_POOLED_POSITIONS):
+            notes.append("a compressor window reaching past its segment's predecessor (the reference seeds a "
+                         "segment's compressors from the predecessor's rows only)")
         return notes
 
-    def _compressor_window_reaches_two_back(self) -> bool:
-        """Whether a 128-position block ending in segment s ≥ 2 starts before segment s − 1."""
+    def _compressor_window_reaches_two_back(self, ratio: int, pooled: int) -> bool:
+        """Whether the `pooled` positions of a block (of `ratio`) ending in segment s ≥ 2 start
+        before segment s − 1."""
         starts = self.starts
         for b in range(self.prefix, self.prefix + self.total):
-            if (b + 1) % COMPRESS_RATIO == 0:
+            if (b + 1) % ratio == 0:
                 s = max(i for i, st in enumerate(starts) if st <= b)
-                if s >= 2 and b + 1 - COMPRESS_RATIO < starts[s - 1]:
+                if s >= 2 and b + 1 - pooled < starts[s - 1]:
                     return True
         return False
 

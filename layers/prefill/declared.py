@@ -1,8 +1,9 @@
 """The CP prefill snapshots' declarations (`layers.contract.declaration`; torch-free): the
-reference's prefill_cp_swa.py and prefill_cp_hca.py layouts, told by their layout tables (HCA's
-by its compressed pool besides), cp x_hc's leading axis; then the exchanges alone
-(scope=collectives), told by their sources. The first whose marks a snapshot holds is its
-layer's, so HCA's come first."""
+reference's prefill_cp_swa.py, prefill_cp_hca.py and prefill_cp_csa.py layouts, told by their
+layout tables (HCA's by its compressed pool besides, CSA's by its indexer pool), cp x_hc's leading
+axis; then the exchanges alone (scope=collectives), told by their sources. The first whose marks
+a snapshot holds is its layer's, so CSA's (which holds a compressed pool too) comes first, then
+HCA's."""
 
 from ..contract.declaration import Declaration, Dim
 
@@ -29,7 +30,7 @@ _EXCHANGES = (("hca", ("local_kv_tail", "local_hidden_tail", "reverse_index")), 
 
 PHASE_DECLARATIONS = (
     *(Declaration(name, phase="prefill", marks=marks, group_key="cp", anchors=("in/x_hc",), dims=_DIMS)
-      for name, marks in (("hca", (*_MARKS, "cmp_kv")), ("swa", _MARKS))),
+      for name, marks in (("csa", (*_MARKS, "idx_kv_cache")), ("hca", (*_MARKS, "cmp_kv")), ("swa", _MARKS))),
     *(Declaration(name, phase="prefill", marks=marks, group_key="cp", anchors=(f"in/{marks[0]}",), dims=_EXCHANGE_DIMS)
       for name, marks in _EXCHANGES),
 )

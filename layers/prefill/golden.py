@@ -22,9 +22,10 @@ def project(model: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, pos
     x_mixed, post, comb = hc.hc_pre(x, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], model)
     normed = qkv.rms_norm(x_mixed, w["attn_norm_w"], model.rms_norm_eps)
     cos, sin = w["freqs_cos"][positions.long()], w["freqs_sin"][positions.long()]
-    q, kv, _, _ = qkv.qkv_proj_rope(normed, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], cos, sin,
-                                    w["gamma_cq"], w["gamma_ckv"], model)
-    return {"q": q, "kv": kv, "normed": normed, "post": post, "comb": comb, "cos": cos, "sin": sin}
+    q, kv, qr, qr_scale = qkv.qkv_proj_rope(normed, w["wq_a"], w["wq_b"], w["wq_b_scale"], w["wkv"], cos, sin,
+                                            w["gamma_cq"], w["gamma_ckv"], model)
+    return {"q": q, "kv": kv, "normed": normed, "qr": qr, "qr_scale": qr_scale, "post": post, "comb": comb,
+            "cos": cos, "sin": sin}
 
 
 def attend_and_project(model: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, front: dict,

@@ -8,28 +8,28 @@ by the group together (`rank_golden`), as the SWA prefill's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from ..components.hca_compressor import COMPRESS_RATIO
 from ..contract.checks import Check
-from ..contract.context import RankContext
 from ..contract.staged import StagedLayer
 from ..contract.tensors import Kind, TensorSpec
-from ..distributed import wire
-from . import golden as swa_golden
 from . import hca, hca_collectives, hca_fixture, hca_gathered, hca_golden, hca_tables, tables
 from .case import PrefillCase
 from .layer import GATHERED as GATHERED_SWA, PrefillSWALayer
+from .whole_prompt import WholePromptLayer, per_rank, replicated
 
 COMPARED = ("kv_cache", "cmp_kv", "compress_state", "x_out")
 
 
-class PrefillHCALayer(PrefillSWALayer):
+class PrefillHCALayer(WholePromptLayer):
     """The zigzag layout's HCA layer: tails of KV and hidden rows, the compressor, the compact exchange."""
 
     name = "hca"
+    compared = COMPARED
+    weights = staticmethod(hca_fixture.weights)
+    inputs = staticmethod(hca_fixture.rank_inputs)
+    prompt_golden = staticmethod(hca_golden.golden)
     # Held once in the reference's snapshot; every other input per rank (leading cp axis).
     replicated_inputs = PrefillSWALayer.replicated_inputs | set(hca.COMPRESSOR_WEIGHTS) | {
         "segment_tail_positions", "final_segment_t", "owner_part_table"}
@@ -48,18 +48,11 @@ class PrefillHCALayer(PrefillSWALayer):
         m, w = case.model, case.window
         f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
         hd, d, nseg = m.head_dim, m.hidden_size, case.num_segments
-        swa = super().tensor_specs(case)
-        x_out = swa.pop("x_out")
-
-        def rep(shape, dtype):
-            return TensorSpec(shape, dtype, Kind.INPUT, replicated=True)
-
-        def own(shape, dtype, kind=Kind.INPUT):
-            return TensorSpec(shape, dtype, kind)
-
+        swa, x_out = self.swa_specs(case)
+        rep, own = replicated, per_rank
         state_blocks = hca_tables.state_table(case).numel()
         return {
-            **{("query_positions" if n == "query_position_ids" else n): s for n, s in swa.items()},
+            **swa,
             "cmp_wkv": rep((hd, d), bf16),
             "cmp_wgate": rep((hd, d), bf16),
             "cmp_ape": rep((COMPRESS_RATIO, hd), f32),
@@ -76,38 +69,6 @@ class PrefillHCALayer(PrefillSWALayer):
             "owner_part_table": rep((nseg,), i32),
             "x_out": x_out,
         }
-
-    def rank_inputs(self, case: PrefillCase, rank: int) -> dict[str, torch.Tensor]:
-        built = hca_fixture.rank_inputs(case, rank)
-        return {n: built[n] for n, s in self.tensor_specs(case).items() if s.kind is not Kind.OUTPUT}
-
-    def full_o_weights(self, case: PrefillCase) -> tuple[torch.Tensor, torch.Tensor]:
-        w = hca_fixture.weights(case)
-        return w["wo_a"], w["wo_b"]
-
-    def golden(self, case: PrefillCase, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The whole prompt on one process from the group's tensors in the reference's layout
-        (the per-rank ones stacked [cp, ...]); outputs stacked."""
-        ranks = [self.of_rank(tensors, r) for r in range(case.cp)]
-        prompt = swa_golden.prompt_of(case, torch.stack([r["x_hc"] for r in ranks]))
-        outs = [self.rank_rows(case, r, o) for r, o in enumerate(hca_golden.golden(case, ranks, prompt))]
-        return {n: torch.stack([o[n] for o in outs]) for n in COMPARED}
-
-    def rank_golden(self, ctx: RankContext, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every rank's x_hc gathered (the harness's all-gather), the whole prompt run once."""
-        case = ctx.case
-        prompt = swa_golden.prompt_of(case, wire.all_gather(tensors["x_hc"].contiguous(), ctx.group, case.cp))
-        cpu = {n: t.cpu() for n, t in tensors.items()}
-        return self.rank_rows(case, ctx.rank, hca_golden.golden(case, [cpu], prompt)[0])
-
-    @staticmethod
-    def rank_rows(case: PrefillCase, rank: int, out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A rank's golden: x_out cut to its layout rows, the pools as they are."""
-        return {**out, "x_out": swa_golden.rank_slice(case, rank, out["x_out"]).flatten(0, 2)}
-
-    def of_rank(self, stacked: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-        """Rank's inputs from tensors in the reference's layout: per-rank ones sliced."""
-        return {n: t if n in self.replicated_inputs else t[rank].clone() for n, t in stacked.items()}
 
 
 class GatheredPrefillHCALayer(PrefillHCALayer):

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from ..contract.staged import StagedLayer
-from . import hca_layer, layer as swa_layer
+from . import csa_layer, hca_layer, layer as swa_layer
 from .case import PrefillCase
 
-PREFILL = {swa_layer.LAYER.name: swa_layer.LAYER, hca_layer.LAYER.name: hca_layer.LAYER}
+PREFILL = {layer.name: layer for layer in (swa_layer.LAYER, hca_layer.LAYER, csa_layer.LAYER)}
 
 
 def of_case(case: PrefillCase, scope: str | None = None) -> StagedLayer:
-    """The layer of the case by layer, layout and scope (`layer.of_case`, `hca_layer.of_case`)."""
+    """The layer of the case by layer, layout and scope (`layer.of_case`, `hca_layer.of_case`);
+    CSA's one layer, whose validate refuses what it does not run."""
     if case.layer == hca_layer.LAYER.name:
         return hca_layer.of_case(case, scope)
+    if case.layer == csa_layer.LAYER.name:
+        return csa_layer.LAYER
     return swa_layer.of_case(case, scope)
 
 

@@ -50,16 +50,18 @@ def key_table(ctx: RankContext, v: Values, positions: str = "query_position_ids"
 
 
 def project(ctx: RankContext, v: Values, positions: str = "query_position_ids") -> dict[str, torch.Tensor]:
-    """The project stage; `positions` as in `key_table`. x_normed is what a compressor reads."""
+    """The project stage; `positions` as in `key_table`. x_normed is what a compressor reads,
+    qr / qr_scale (the int8 Q latent) what an indexer does."""
     m = ctx.model
     x = v["x_hc"].reshape(-1, m.hc_mult, m.hidden_size)
     x_mixed, post, comb = hc.hc_pre(x, v["hc_attn_fn"], v["hc_attn_scale"], v["hc_attn_base"], m)
     normed = qkv.rms_norm(x_mixed, v["attn_norm_w"], m.rms_norm_eps)
     pos = v[positions].reshape(-1).long()
     cos, sin = v["freqs_cos"][pos], v["freqs_sin"][pos]
-    q, kv, _, _ = qkv.qkv_proj_rope(normed, v["wq_a"], v["wq_b"], v["wq_b_scale"], v["wkv"], cos, sin,
-                                    v["gamma_cq"], v["gamma_ckv"], m)
-    return {"q": q, "kv": kv, "x_normed": normed, "post": post, "comb": comb, "rope_cos": cos, "rope_sin": sin}
+    q, kv, qr, qr_scale = qkv.qkv_proj_rope(normed, v["wq_a"], v["wq_b"], v["wq_b_scale"], v["wkv"], cos, sin,
+                                            v["gamma_cq"], v["gamma_ckv"], m)
+    return {"q": q, "kv": kv, "x_normed": normed, "qr": qr, "qr_scale": qr_scale, "post": post, "comb": comb,
+            "rope_cos": cos, "rope_sin": sin}
 
 
 def part_tails(rows: torch.Tensor, overlay_active_lengths: torch.Tensor, win: int) -> torch.Tensor:

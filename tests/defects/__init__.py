@@ -63,6 +63,12 @@ from .prefill_defects import (
     PrefillHCAWindowFromPredecessorOnly,
     PrefillHCAStateOnOwnerOnly,
     PrefillHCACompressedRowsOnOwnerOnly,
+    PrefillCSALocalRopePositions,
+    PrefillCSAWindowFromOwnRowsOnly,
+    PrefillCSAInnerStateFromWrongSegment,
+    PrefillCSATopkAtLocalPositions,
+    PrefillCSAIndexerRowsOnOwnerOnly,
+    PrefillCSAWindowFromPredecessorOnly,
 )
 from .process_faults import (
     ExitOnRank1,
@@ -179,6 +185,12 @@ __all__ = [
     "PatchesNormInConstructor",
     "PatchesNormDuringCall",
     "PatchesNormWhenDropped",
+    "PrefillCSALocalRopePositions",
+    "PrefillCSAWindowFromOwnRowsOnly",
+    "PrefillCSAInnerStateFromWrongSegment",
+    "PrefillCSATopkAtLocalPositions",
+    "PrefillCSAIndexerRowsOnOwnerOnly",
+    "PrefillCSAWindowFromPredecessorOnly",
 ]
 
 from .prefill_defects import (  # noqa: E402

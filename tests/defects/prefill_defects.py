@@ -197,3 +197,77 @@ class PrefillHCAGatheredOwnBlocksOnly(StageDefect):
         if case.num_segments - 1 not in own:
             out["compress_state"].copy_(state_before)
         return out
+
+
+# -- context-parallel prefill, CSA: the compressors, the compact exchange and the indexer ----------
+class PrefillCSALocalRopePositions(PrefillHCALocalRopePositions):
+    """CSA: RoPE of Q and KV at the rank-local row index (its position table is `query_positions`)."""
+
+
+class PrefillCSAWindowFromOwnRowsOnly(PrefillHCAWindowFromOwnRowsOnly):
+    """CSA: a compressor window that reaches into earlier segments reads zeros there (no
+    exchanged hidden tails): every segment's first block loses the 4 positions before it."""
+
+
+class PrefillCSAInnerStateFromWrongSegment(StageDefect):
+    """CSA: the final segment's owner sends the inner compressor's state rows of its other
+    segment (the main compressor's are right)."""
+
+    stages = ("compressor",)
+
+    def defective(self, stage, ctx, v):
+        out = stage.run(ctx, v)
+        final, parts = int(v["final_segment_t"][0]), [int(p) + 1 for p in v["predecessor_segments"]]
+        if final in parts:
+            other = torch.tensor([parts[1 - parts.index(final)]], dtype=v["final_segment_t"].dtype)
+            out["inner_state_payload"] = stage.run(ctx, {**v, "final_segment_t": other})["inner_state_payload"]
+        return out
+
+
+class PrefillCSATopkAtLocalPositions(StageDefect):
+    """CSA: the indexer's causal limit from the rank-local row index, not the global position:
+    a query of a later segment sees only as many compressed rows as its row index allows."""
+
+    stages = ("indexer_topk",)
+
+    def defective(self, stage, ctx, v):
+        pos = v["query_positions"]
+        return stage.run(ctx, {**v, "query_positions": torch.arange(pos.numel(), dtype=pos.dtype).reshape(pos.shape)})
+
+
+class PrefillCSAIndexerRowsOnOwnerOnly(StageDefect):
+    """CSA: each rank commits only the indexer rows (int8 and scale) it made itself; the main
+    rows and the state rows go through the compact exchange."""
+
+    stages = ("compact_exchange",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import csa_tables
+
+        before = {n: v[n].clone() for n in ("idx_kv_cache", "idx_kv_scale")}
+        out = stage.run(ctx, v)
+        for n, t in before.items():
+            out[n].copy_(t)
+        slots = v["record_meta"][:, 0].long()
+        rows = csa_tables.cmp_rows(v["idx_block_table"], slots[slots >= 0])
+        out["idx_kv_cache"].view(-1, v["idx_payload"].shape[-1])[rows] = v["idx_payload"][slots >= 0]
+        out["idx_kv_scale"].view(-1, 1)[rows] = v["idx_scale_payload"][slots >= 0]
+        return out
+
+
+class PrefillCSAWindowFromPredecessorOnly(StageDefect):
+    """CSA: the reference's seed: a segment's compressors see only its immediate predecessor's
+    rows before it, so a window reaching two segments back reads zeros there."""
+
+    stages = ("compressor",)
+
+    def defective(self, stage, ctx, v):
+        from layers.prefill import csa
+
+        tails, preds = v["logical_hidden_tails"], [int(p) for p in v["predecessor_segments"]]
+        only = [tails * (torch.arange(tails.shape[0]) == p).to(tails.dtype)[:, None, None] for p in preds]
+        runs = [stage.run(ctx, {**v, "logical_hidden_tails": kept}) for kept in only]
+        half = csa.PAYLOAD_ROWS // 2  # part p's compressed rows from run p, the final state from its part's
+        final_part = int(preds[1] + 1 == int(v["final_segment_t"][0]))
+        return {n: torch.cat((runs[0][n][:half], runs[1][n][half:])) if n in csa.COMPACT[:4] else runs[final_part][n]
+                for n in csa.COMPACT}

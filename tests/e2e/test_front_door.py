@@ -60,7 +60,7 @@ def _said(stderr: str) -> list[str]:
     (["layer=csa", "tp=3"], None, EXIT_ERROR),
     (["layer=moe", "ep=99"], None, EXIT_ERROR),
     (["layer=moe", "scope=output"], None, EXIT_ERROR),
-    (["phase=prefill", "layer=csa"], None, EXIT_ERROR),
+    (["phase=prefill", "layer=moe"], None, EXIT_ERROR),
 ], ids=["help", "cfg", "sweep-cfg", "completion", "plus-typo", "typo", "bad-value", "bad-option", "tp-rule", "ep-rule",
         "scope-rule", "phase-rule"])
 def test_what_only_prints_or_refuses_never_imports_torch(tmp_path, args, env, code):

@@ -85,7 +85,7 @@ def test_collectives_scope_defect_fails_naming_tensor_and_rank(tp_run, impl, lay
 
 @pytest.mark.parametrize("keys, words", [
     (dict(phase="prefill", tp=2), "tp=2 is a key of phase=decode"),
-    (dict(phase="prefill", layer="csa"), "no prefill stage list"),
+    (dict(phase="prefill", layer="moe"), "no prefill stage list"),
     (dict(cp=2), "cp=2 is a key of phase=prefill"),
     (dict(phase="prefill", segment_lens="[128,128]"), "2\\*cp = 4 segments"),
     (dict(phase="warmup"), "phase='warmup'"),

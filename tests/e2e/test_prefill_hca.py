@@ -9,6 +9,7 @@ import re
 import pytest
 
 from .. import defects
+from .prefill_runs import assert_fails_and_located, assert_saved_run_replays
 
 
 @pytest.mark.parametrize("keys", [
@@ -47,10 +48,7 @@ def test_hca_prefill_defect_fails_naming_tensor_and_rank_and_bisect_locates_it(t
     """Each defect FAILs the named tensors on the named ranks (others may fail too) and bisect
     names the first divergent stage and its ranks."""
     run = tp_run(layer="hca", phase="prefill", cp=2, model="tiny", impl=impl, bisect=True, **keys)
-    assert run.exit_code == 1, run
-    bad = {t: [r["rank"] for r in run.verdict(t)["per_rank"] if r["n_bad"]] for t in COMPARED}
-    assert {t: bad[t] for t in failing} == failing, run
-    assert (run.result["bisect"]["stage"], run.result["bisect"]["ranks"]) == located, run
+    assert_fails_and_located(run, COMPARED, failing, located)
 
 
 @pytest.mark.parametrize("keys, words", [
@@ -90,17 +88,5 @@ def test_hca_collectives_scope_defect_fails_naming_tensor_and_rank(tp_run, impl,
 def test_saved_hca_snapshot_replays(tp_run, tmp_path):
     """The reference's tensor names in the saved folder; a replay with golden_data alone reads the
     case back and PASSes."""
-    saved = tmp_path / "saved"
-    first = tp_run(layer="hca", phase="prefill", cp=2, model="tiny", prefix=300, segment_lens="[200,77,256,130]",
-                   save_data=str(saved))
-    assert first.exit_code == 0, first
-    names = {p.stem for p in (saved / "in").iterdir()}
-    assert {"compress_state_block_table", "cmp_block_table", "query_positions"} <= names, names
-    replay = tp_run(golden_data=str(saved))
-    assert replay.exit_code == 0, replay
-    case = replay.result["case"]
-    assert (case["layer"], case["segment_lens"], case["prefix"]) == ("hca", [200, 77, 256, 130], 300), replay
-    # Without our manifest, as the reference writes one, its compressed pool names the layer.
-    (saved / "manifest.json").unlink()
-    bare = tp_run(golden_data=str(saved))
-    assert bare.exit_code == 0 and bare.result["case"]["layer"] == "hca", bare
+    assert_saved_run_replays(tp_run, tmp_path / "saved", "hca", 300, [200, 77, 256, 130],
+                             {"compress_state_block_table", "cmp_block_table", "query_positions"})
