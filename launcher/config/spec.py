@@ -133,12 +133,14 @@ class RunSpec:
 
     def case_entry(self) -> dict:
         """result.json's `case`: what ran, as the config names it; a MoE case's `num_tokens`
-        as the count that ran (null in the config: all T tokens per rank)."""
+        as the count that ran (null in the config: all T tokens per rank); and, where the case
+        states it (`beyond_reference()`), what about it the reference's kernels would refuse."""
         case = self.case.describe()
         if "num_tokens" in case:
             case["num_tokens"] = self.case.active
+        beyond = getattr(self.case, "beyond_reference", list)()
         return {**case, "model": self.case.model.name, "dp": self.dp, "backend": self.backend,
-                "impl": self.impl.get("_target_")}
+                "impl": self.impl.get("_target_"), **({"beyond_reference": beyond} if beyond else {})}
 
 
 def run_spec(cfg: DictConfig, output_dir: str) -> RunSpec:

@@ -102,6 +102,12 @@ def case_line(c: dict) -> str:
     return "dsv4-tp-harness  " + " ".join(f"{k}={v}" for k, v in case_items(c))
 
 
+def beyond_reference_line(c: dict) -> str:
+    """What about the case the reference's kernels would refuse: its golden is ours alone."""
+    return (f"beyond the reference: {'; '.join(c['beyond_reference'])} (its kernels would refuse this case; "
+            f"the verdict is against this harness's golden alone)")
+
+
 def case_columns(rows: list[dict]) -> list[str]:
     """The case keys a table of sweep jobs shows: each key set whose group key some job has (the
     first set where none has); dp where a job had several groups."""
@@ -135,6 +141,8 @@ def render(result: dict) -> str:
     lines = [case_line(result["case"])]
     if result.get("snapshot"):
         lines.append(snapshot_line(result["snapshot"], result["case"]))
+    if result["case"].get("beyond_reference"):
+        lines.append(beyond_reference_line(result["case"]))
     if result["status"] in ("config-error", "skipped"):  # no rank ran
         word = "error" if result["status"] == "config-error" else "SKIPPED"
         lines.append(f"{word}: {result['error']['message']}")

@@ -22,6 +22,7 @@ import sys
 from launcher.config.rank_phases import RANK_PHASES
 from launcher.report import plots, svg
 from launcher.report.console import (
+    beyond_reference_line,
     case_items, comparator_text, fmt, group_text, reference_line, starts_text, where_lines,
 )
 from launcher.report.page import (
@@ -112,6 +113,8 @@ def _header(result: dict, word: str, output_dir: str | None) -> Raw:
     extra = [f"wall {fmt(result.get('wall_s'))} s"]
     extra += [f"{k} {result[k]}" for k in ("host", "torch") if result.get(k)]
     parts = [head, f'<div class="case">{case}</div>', f'<div class="case">{esc(" · ".join(extra))}</div>']
+    if c.get("beyond_reference"):
+        parts.append(f'<div class="case">{esc(beyond_reference_line(c))}</div>')
     job = result.get("job")
     if job:
         overrides = " ".join(o for o in job.get("overrides", []) if not o.startswith("hydra."))
