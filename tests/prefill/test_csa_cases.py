@@ -14,37 +14,14 @@ import pytest
 import torch
 
 from layers.contract.config import TINY, ConfigError
-from layers.prefill import csa, csa_fixture, csa_golden, csa_layer, csa_math, csa_tables, fixture
+from layers.prefill import csa, csa_golden, csa_layer, csa_math, csa_tables, fixture
 from layers.prefill.case import PrefillCase
 from tests import defects
-from tests.prefill.group import run_group
-from tests.prefill.judge import failures
+from tests.prefill.judge import WholePromptCases, failures
 
 LAYER = csa_layer.LAYER
-
-
-@functools.cache
-def _weights(seed: int) -> dict:
-    return csa_fixture.weights(PrefillCase("csa", TINY, 1, seed))
-
-
-def _inputs(case: PrefillCase) -> list[dict]:
-    return [csa_fixture.rank_inputs(case, r, _weights(case.seed)) for r in range(case.cp)]
-
-
-def _expected(case: PrefillCase, inputs: list[dict]) -> list[dict]:
-    outs = csa_golden.golden(case, inputs, fixture.whole_prompt(case))
-    return [LAYER.rank_rows(case, r, o) for r, o in enumerate(outs)]
-
-
-def _run(case: PrefillCase, stages=None) -> list[tuple[int, str]]:
-    LAYER.validate(case)
-    inputs = _inputs(case)
-    return failures(csa.default_checks(), run_group(case, inputs, stages), _expected(case, inputs))
-
-
-def case(cp=2, **kw) -> PrefillCase:
-    return PrefillCase("csa", TINY, cp, 7, **kw)
+CASES = WholePromptCases(LAYER)
+case, _inputs, _expected, _run = CASES.case, CASES.inputs, CASES.expected, CASES.run
 
 
 def _with_defect(defect) -> tuple:
@@ -162,16 +139,8 @@ def test_window_shorter_than_a_compressor_window_refused():
 
 
 def test_stacked_golden_is_every_rank_golden():
-    """The golden from tensors in the reference's snapshot layout (per-rank ones stacked, the
-    replicated ones once) equals each rank's own."""
-    c = case(2, prefix=301, segment_lens=(201, 77, 256, 130))
-    inputs = _inputs(c)
-    stacked = {n: (inputs[0][n] if n in LAYER.replicated_inputs else torch.stack([t[n] for t in inputs]))
-               for n in inputs[0]}
-    got = LAYER.golden(c, stacked)
-    for r, want in enumerate(_expected(c, inputs)):
-        for name in csa_layer.COMPARED:
-            assert torch.equal(got[name][r], want[name]), (r, name)
+    """The golden from tensors in the reference's snapshot layout equals each rank's own."""
+    assert CASES.stacked_golden_mismatches(case(2, prefix=301, segment_lens=(201, 77, 256, 130))) == []
 
 
 def test_beyond_reference_names_a_window_reaching_two_segments_back():

@@ -14,37 +14,14 @@ import torch
 
 from layers.components.hca_compressor import COMPRESS_RATIO
 from layers.contract.config import TINY, ConfigError
-from layers.prefill import fixture, golden as swa_golden, hca, hca_fixture, hca_golden, hca_layer, hca_tables, registry
+from layers.prefill import fixture, golden as swa_golden, hca, hca_golden, hca_layer, hca_tables, registry
 from layers.prefill.case import PrefillCase
 from tests import defects
-from tests.prefill.group import run_group
-from tests.prefill.judge import failures
+from tests.prefill.judge import WholePromptCases
 
 LAYER = hca_layer.LAYER
-
-
-@functools.cache
-def _weights(seed: int) -> dict:
-    return hca_fixture.weights(PrefillCase("hca", TINY, 1, seed))
-
-
-def _inputs(case: PrefillCase) -> list[dict]:
-    return [hca_fixture.rank_inputs(case, r, _weights(case.seed)) for r in range(case.cp)]
-
-
-def _expected(case: PrefillCase, inputs: list[dict]) -> list[dict]:
-    outs = hca_golden.golden(case, inputs, fixture.whole_prompt(case))
-    return [LAYER.rank_rows(case, r, o) for r, o in enumerate(outs)]
-
-
-def _run(case: PrefillCase, stages=None) -> list[tuple[int, str]]:
-    LAYER.validate(case)
-    inputs = _inputs(case)
-    return failures(hca.default_checks(), run_group(case, inputs, stages), _expected(case, inputs))
-
-
-def case(cp=2, **kw) -> PrefillCase:
-    return PrefillCase("hca", TINY, cp, 7, **kw)
+CASES = WholePromptCases(LAYER)
+case, _inputs, _expected, _run = CASES.case, CASES.inputs, CASES.expected, CASES.run
 
 
 def _with_defect(defect, c: PrefillCase | None = None) -> tuple:
@@ -162,15 +139,8 @@ def test_window_other_than_the_ratio_refused():
 
 
 def test_stacked_golden_is_every_rank_golden():
-    """The golden from tensors in the reference's snapshot layout (per-rank ones stacked, the
-    replicated ones once) equals each rank's own."""
-    c = case(2, prefix=300, segment_lens=(200, 77, 256, 130))
-    inputs = _inputs(c)
-    stacked = {n: inputs[0][n] if n in LAYER.replicated_inputs else torch.stack([t[n] for t in inputs])
-               for n in inputs[0]}
-    got, want = LAYER.golden(c, stacked), _expected(c, inputs)
-    for name in hca_layer.COMPARED:
-        assert torch.equal(got[name], torch.stack([w[name] for w in want])), name
+    """The golden from tensors in the reference's snapshot layout equals each rank's own."""
+    assert CASES.stacked_golden_mismatches(case(2, prefix=300, segment_lens=(200, 77, 256, 130))) == []
 
 
 def test_window_reaching_two_segments_back_is_said_beyond_the_reference():
