@@ -53,7 +53,7 @@ THREADS = 2
 # The global torch seed set before the fixture: CSA's builder draws from the global generator
 # without seeding it (SWA's and HCA's seed per rank themselves), so this makes CSA's repeatable.
 SEED = 20260819
-LAYERS = ("swa", "csa", "hca", "moe", "prefill-swa", "prefill-hca")
+LAYERS = ("swa", "csa", "hca", "moe", "prefill-swa", "prefill-hca", "prefill-csa")
 
 # The MoE case: a score-routed layer (past FLASH's 3 hash layers) on 96 of its 128 tokens, over
 # ep=2; dims of the project's `tiny` preset (hidden 256, expert width 128, vocab 2048), whose

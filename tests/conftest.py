@@ -76,7 +76,7 @@ def two_threads():
 
 def reference_snapshot(layer: str) -> Path:
     """The shipped reference snapshot of a layer: swa, csa, hca at tp=2, local_t=32, model=mini;
-    moe at ep=2, layer_id=4, num_tokens=96, model=tiny; prefill-swa, prefill-hca at cp=2 (the
+    moe at ep=2, layer_id=4, num_tokens=96, model=tiny; prefill-swa, prefill-hca, prefill-csa at cp=2 (the
     canonical zigzag case), model=mini."""
     if layer.startswith("prefill-"):
         return REFERENCE_DATA / f"{layer}-cp2-mini"

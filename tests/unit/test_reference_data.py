@@ -16,7 +16,7 @@ from layers.prefill.case import PREFILL_BLOCK_ROWS
 
 from ..conftest import REFERENCE_DATA, reference_snapshot
 
-LAYERS = ("swa", "csa", "hca", "moe", "prefill-swa", "prefill-hca")
+LAYERS = ("swa", "csa", "hca", "moe", "prefill-swa", "prefill-hca", "prefill-csa")
 # The reference's deployment constants and the preset fields that hold them.
 CONSTANT_FIELDS = {
     "DECODE_BATCH": "decode_batch", "DECODE_SEQ": "decode_seq", "DECODE_START_POS": "decode_start_pos",
