@@ -10,38 +10,26 @@ import torch
 from layers.contract.config import MINI
 from layers.prefill import csa, csa_fixture, csa_layer, csa_tables
 from layers.prefill.case import PrefillCase
-from tests.conftest import reference_snapshot
-from tests.prefill.group import run_group
 from tests.prefill.judge import failures
+from tests.prefill.reference_data import ReferencePrefill
 
-FOLDER = reference_snapshot("prefill-csa")
 CASE = PrefillCase("csa", MINI, 2, None)
 LAYER = csa_layer.LAYER
 BITWISE_POOLS = ("kv_cache", "idx_kv_cache", "idx_kv_scale", "compress_state", "inner_compress_state")
 
 
-def _load(sub):
-    return {p.stem: torch.load(p, weights_only=True) for p in sorted((FOLDER / sub).glob("*.pt"))}
-
-
 @pytest.fixture(scope="module")
 def snapshot():
-    return _load("in"), _load("out")
-
-
-def _reference_outputs(out):
-    return [{n: out[n][r].flatten(0, 2) if n == "x_out" else out[n][r] for n in csa_layer.COMPARED}
-            for r in range(CASE.cp)]
+    return ReferencePrefill(LAYER, CASE)
 
 
 @pytest.fixture(scope="module")
 def ours(snapshot, two_threads):
-    got = LAYER.golden(CASE, {n: t.clone() for n, t in snapshot[0].items()})
-    return [{n: got[n][r] for n in csa_layer.COMPARED} for r in range(CASE.cp)]
+    return snapshot.golden()
 
 
 def test_the_snapshot_holds_the_layers_tensors(snapshot):
-    held = {**snapshot[0], **snapshot[1]}
+    held = {**snapshot.inputs, **snapshot.outputs}
     for name, spec in LAYER.tensor_specs(CASE).items():
         want = spec.stored_shape if spec.replicated else (CASE.cp, *spec.stored_shape)
         assert (tuple(held[name].shape), held[name].dtype) == (tuple(want), spec.dtype), name
@@ -51,10 +39,9 @@ def test_tables_are_the_references_but_the_inner_state_table(snapshot):
     """Ours but one are the reference's; the inner compressor state's maps block b to page
     (7·b + 5) mod 65 where the reference's, like the main state's, maps it to b mod 65, so that a
     row written through the main state's table lands in the wrong page."""
-    inp, _ = snapshot
     for r in range(CASE.cp):
         for name, table in csa_fixture.rank_tables(CASE, r).items():
-            theirs = inp[name] if name in LAYER.replicated_inputs else inp[name][r]
+            theirs = snapshot.inputs[name] if name in LAYER.replicated_inputs else snapshot.inputs[name][r]
             if name == "inner_compress_state_block_table":
                 assert torch.equal(table, (7 * theirs + 5) % csa_tables.STATE_PHYSICAL_BLOCKS), (r, name)
             else:
@@ -65,8 +52,7 @@ def test_golden_is_the_references_but_for_a_few_roundings(snapshot, ours):
     """Both compressor states, the raw KV and the indexer pool bitwise; three compressed-KV
     elements a rounding off (at most 1e-6: the pooled sum's order), which every query that
     selects their rows carries into x_out, well inside the comparators."""
-    _, out = snapshot
-    for r, (got, want) in enumerate(zip(ours, _reference_outputs(out))):
+    for r, (got, want) in enumerate(zip(ours, snapshot.reference_outputs())):
         for name in BITWISE_POOLS:
             assert torch.equal(got[name], want[name]), f"rank {r} {name}"
         diff = (got["cmp_kv"].float() - want["cmp_kv"].float()).abs()
@@ -75,18 +61,11 @@ def test_golden_is_the_references_but_for_a_few_roundings(snapshot, ours):
 
 
 def test_golden_and_cp_group_pass_on_the_references_outputs(snapshot, ours):
-    inp, out = snapshot
-    expected = _reference_outputs(out)
-    assert failures(csa.reference_checks(), ours, expected) == []
-    assert failures(csa.default_checks(), ours, expected) == []
-    group = run_group(CASE, [LAYER.of_rank(inp, r) for r in range(CASE.cp)])
-    assert failures(csa.reference_checks(), group, expected) == []
-    assert failures(csa.default_checks(), group, expected) == []
+    assert snapshot.group_failures((csa.reference_checks(), csa.default_checks()), ours) == []
 
 
 def test_perturbed_snapshot_fails(snapshot, ours):
-    _, out = snapshot
-    expected = _reference_outputs(out)
+    expected = snapshot.reference_outputs()
     expected[1]["x_out"] = expected[1]["x_out"].clone()
     expected[1]["x_out"][:64] *= 1.05
     expected[0]["idx_kv_cache"] = expected[0]["idx_kv_cache"].clone()
