@@ -251,7 +251,8 @@ PRO = FLASH.replace(
     max_position_embeddings=1_048_576,
 )
 
-# The reduced dims of the reference snapshots in shared/peer (everything else is FLASH's).
+# The reduced dims of the reference's `small` snapshots, the o-projection witness's among them
+# (tests/data/reference/README.md; everything else is FLASH's).
 SMALL = FLASH.replace(
     name="small",
     hidden_size=512,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from launcher.store import snapshot
 
 from .. import defects
-from ..conftest import REPO, reference_snapshot
+from ..conftest import reference_snapshot
 
 
 @pytest.mark.parametrize("keys", [
@@ -99,31 +98,23 @@ def test_bad_prefill_keys_refused(tp_run, keys, words):
 
 
 # -- the reference's own CP snapshots (tests/data/reference), replayed with golden_data alone -----
-# The small SWA one (the reference's 128-page pool, made on another machine) is 32 MB and lives
-# beside the checkout: its replay skips where it is absent.
-PEER_SMALL = REPO.parent / "shared" / "peer" / "prefill-swa-cp2-small"
-SNAPSHOTS = {"swa": reference_snapshot("prefill-swa"), "hca": reference_snapshot("prefill-hca"), "swa-small": PEER_SMALL}
-
-
-def _snapshot(name: str) -> Path:
-    if not SNAPSHOTS[name].is_dir():
-        pytest.skip(f"reference snapshot {SNAPSHOTS[name]} is absent (32 MB, kept beside the checkout)")
-    return SNAPSHOTS[name]
+SNAPSHOTS = {layer: reference_snapshot(f"prefill-{layer}") for layer in ("swa", "hca", "csa")}
 
 
 @pytest.mark.parametrize("name", sorted(SNAPSHOTS))
 def test_reference_snapshot_replays_and_passes(tp_run, name):
-    run = tp_run(golden_data=str(_snapshot(name)), recompute_golden=True)
+    run = tp_run(golden_data=str(SNAPSHOTS[name]), recompute_golden=True)
     assert run.exit_code == 0, run
     case = run.result["case"]
-    assert (case["layer"], case["cp"], case["phase"]) == (name.split("-")[0], 2, "prefill")
+    assert (case["layer"], case["cp"], case["phase"]) == (name, 2, "prefill")
     assert {"phase", "cp", "segment_lens", "model"} <= set(run.result["snapshot"]["read"])
 
 
-@pytest.mark.parametrize("name, tensor, rank", [("swa", "x_out", 1), ("swa", "kv_cache", 0), ("hca", "cmp_kv", 1)])
+@pytest.mark.parametrize("name, tensor, rank", [("swa", "x_out", 1), ("swa", "kv_cache", 0), ("hca", "cmp_kv", 1),
+                                               ("csa", "cmp_kv", 0)])
 def test_perturbed_reference_snapshot_fails(tp_run, tmp_path, name, tensor, rank):
     copy = tmp_path / "snap"
-    shutil.copytree(_snapshot(name), copy)
+    shutil.copytree(SNAPSHOTS[name], copy)
     for p in copy.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
     path = copy / "out" / f"{tensor}.pt"
@@ -143,7 +134,7 @@ def test_perturbed_reference_snapshot_fails(tp_run, tmp_path, name, tensor, rank
 
 
 def test_a_ring_other_than_the_snapshots_is_refused(tp_run):
-    run = tp_run(golden_data=str(_snapshot("swa")), overrides=["model.prefill_ori_block_num=16"])
+    run = tp_run(golden_data=str(SNAPSHOTS["swa"]), overrides=["model.prefill_ori_block_num=16"])
     assert run.exit_code != 0 and "contradicts the snapshot" in run.output and "prefill_ori_block_num=8" in run.output, run
 
 
