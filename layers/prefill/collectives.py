@@ -63,6 +63,25 @@ def source_rows(case: PrefillCase, rank: int) -> torch.Tensor:
     return block_rows(rank, part_rows(case), case.model.head_dim)
 
 
+def stacked_sources(case: PrefillCase, tensors: dict[str, torch.Tensor], sources, kept: tuple[str, ...],
+                    layer: str) -> dict[str, torch.Tensor]:
+    """Every rank's rebuilt `sources(case, rank)` but the pools, tables and reverse_index, stacked
+    [cp, ...]; refused unless `tensors` (one rank's inputs) are one of them."""
+    every = [sources(case, r) for r in range(case.cp)]
+    moved = [n for n in every[0] if n not in kept and not n.endswith("table") and n != "reverse_index"]
+    if not any(all(torch.equal(tensors[n], e[n]) for n in moved) for e in every):
+        raise ValueError(f"the {layer} prefill collectives golden needs its own closed-form sources; these differ "
+                         f"from them")
+    return {n: torch.stack([e[n] for e in every]) for n in moved}
+
+
+def logical_tails(stacked: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Both tails' golden (HCA's and CSA's tail exchange): every rank's KV and hidden-row tails
+    in logical order."""
+    return {"logical_tails_out": exchange.to_logical(stacked["local_kv_tail"], index),
+            "logical_hidden_tails": exchange.to_logical(stacked["local_hidden_tail"], index)}
+
+
 class PrefillCollectivesScope(StagedLayer):
     """`phase=prefill scope=collectives`: the layout's exchange alone, bitwise."""
 
@@ -124,4 +143,4 @@ class PrefillCollectivesScope(StagedLayer):
 
 SCOPE = PrefillCollectivesScope()
 
-__all__ = ["EXCHANGES", "part_rows", "block_rows", "source_rows", "PrefillCollectivesScope", "SCOPE"]
+__all__ = ["EXCHANGES", "part_rows", "block_rows", "source_rows", "stacked_sources", "logical_tails", "PrefillCollectivesScope", "SCOPE"]

@@ -12,8 +12,9 @@ import torch
 
 from ..contract.checks import Check
 from ..contract.config import ConfigError
+from ..contract.staged import StagedLayer
 from ..contract.tensors import Kind, TensorSpec
-from . import csa, csa_fixture, csa_golden, csa_tables
+from . import csa, csa_collectives, csa_fixture, csa_golden, csa_tables
 from .case import PrefillCase
 from .layer import PrefillSWALayer
 from .whole_prompt import WholePromptLayer, per_rank, replicated
@@ -43,10 +44,6 @@ class PrefillCSALayer(WholePromptLayer):
             if getattr(case, key) != built:
                 raise ConfigError(f"layer=csa phase=prefill runs {key}={built}; {key}={getattr(case, key)} is not "
                                   f"built for layer=csa yet")
-        if case.window < csa_tables.STATE_LEN:
-            raise ConfigError(f"layer=csa phase=prefill needs sliding_window >= {csa_tables.STATE_LEN} (a segment's "
-                              f"tail must hold every row a compressor window reaches back to); model "
-                              f"{case.model.name!r} has {case.window}")
         csa_tables.validate(case)
 
     def checks(self, case: PrefillCase) -> tuple[Check, ...]:
@@ -86,4 +83,13 @@ class PrefillCSALayer(WholePromptLayer):
 
 LAYER = PrefillCSALayer()
 
-__all__ = ["COMPARED", "PrefillCSALayer", "LAYER"]
+
+def of_case(case: PrefillCase, scope: str | None = None) -> StagedLayer:
+    """The CSA layer, or its exchanges alone under scope=collectives (`scope`: in place of the
+    case's own); whichever runs refuses the layout it does not build."""
+    if (case.scope if scope is None else scope) == "collectives":
+        return csa_collectives.SCOPE
+    return LAYER
+
+
+__all__ = ["COMPARED", "PrefillCSALayer", "LAYER", "of_case"]

@@ -39,6 +39,12 @@ def selected_width(index_topk: int) -> int:
 
 
 def validate(case: PrefillCase) -> None:
+    """The CSA prefill's rules for a case, whatever its scope: a tail long enough for a
+    compressor window, no more compressed rows than the indexer scores."""
+    if case.window < STATE_LEN:
+        raise ConfigError(f"layer=csa phase=prefill needs sliding_window >= {STATE_LEN} (a segment's tail must hold "
+                          f"every row a compressor window reaches back to); model {case.model.name!r} has "
+                          f"{case.window}")
     slots = (case.prefix + case.total) // COMPRESS_RATIO
     if slots > CANDIDATE_CAPACITY:
         raise ConfigError(f"prefix + prompt = {case.prefix + case.total} completes {slots} compressed rows; the "

@@ -31,7 +31,7 @@ from ..contract.staged import RunStage, default_run_stage, run_stages
 from ..contract.tensors import Kind, TensorSpec
 from . import exchange, hca, hca_gathered, hca_tables, tables
 from .case import MAX_SEGMENT_TILES, PrefillCase
-from .collectives import PrefillCollectivesScope, block_rows
+from .collectives import PrefillCollectivesScope, block_rows, logical_tails, stacked_sources
 
 # layout -> (its exchange stages, the outputs compared)
 EXCHANGES = {"zigzag": (("tail_exchange", "compact_exchange"),
@@ -139,19 +139,11 @@ class PrefillHCACollectivesScope(PrefillCollectivesScope):
 
     def golden(self, case: PrefillCase, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The outputs of the rank whose inputs these are, from every rank's rebuilt sources."""
-        every = [sources(case, r) for r in range(case.cp)]
-        moved = [n for n in every[0] if n not in POOLS and not n.endswith("table") and n != "reverse_index"]
-        if not any(all(torch.equal(tensors[n], e[n]) for n in moved) for e in every):
-            raise ValueError("the HCA prefill collectives golden needs its own closed-form sources; these differ "
-                             "from them")
-        stacked = {n: torch.stack([e[n] for e in every]) for n in moved}
+        stacked = stacked_sources(case, tensors, sources, POOLS, "HCA")
         if case.cp_layout == "contiguous":
             return {"gathered_kv": exchange.rank_major(stacked["kv"]),
                     "gathered_state": exchange.rank_major(stacked["local_state"])}
-        index = tensors["reverse_index"]
-        return {"logical_tails_out": exchange.to_logical(stacked["local_kv_tail"], index),
-                "logical_hidden_tails": exchange.to_logical(stacked["local_hidden_tail"], index),
-                **expected_pools(case, tensors)}
+        return {**logical_tails(stacked, tensors["reverse_index"]), **expected_pools(case, tensors)}
 
     def forward(self, ctx: RankContext, tensors: dict[str, torch.Tensor],
                 run_stage: RunStage = default_run_stage) -> dict[str, torch.Tensor]:

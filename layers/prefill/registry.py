@@ -10,12 +10,12 @@ PREFILL = {layer.name: layer for layer in (swa_layer.LAYER, hca_layer.LAYER, csa
 
 
 def of_case(case: PrefillCase, scope: str | None = None) -> StagedLayer:
-    """The layer of the case by layer, layout and scope (`layer.of_case`, `hca_layer.of_case`);
-    CSA's one layer, whose validate refuses what it does not run."""
+    """The layer of the case by layer, layout and scope (`layer.of_case`, `hca_layer.of_case`,
+    `csa_layer.of_case`)."""
     if case.layer == hca_layer.LAYER.name:
         return hca_layer.of_case(case, scope)
     if case.layer == csa_layer.LAYER.name:
-        return csa_layer.LAYER
+        return csa_layer.of_case(case, scope)
     return swa_layer.of_case(case, scope)
 
 

@@ -44,12 +44,32 @@ def test_csa_prefill_defect_fails_naming_tensor_and_rank_and_bisect_locates_it(t
 
 @pytest.mark.parametrize("keys, words", [
     (dict(cp_layout="contiguous"), "cp_layout=zigzag"),
-    (dict(scope="collectives"), "scope=full"),
+    (dict(scope="collectives", cp_layout="contiguous"), "cp_layout=zigzag"),
     (dict(prefix=4000), "scores at most 1024"),
 ])
 def test_csa_prefill_refusals(tp_run, keys, words):
     run = tp_run(layer="csa", phase="prefill", model="tiny", **keys)
     assert run.exit_code != 0 and re.search(words, run.output), run
+
+
+EXCHANGED = ("logical_tails_out", "logical_hidden_tails", *COMPARED[1:6])
+
+
+def test_csa_collectives_scope_passes(tp_run):
+    run = tp_run(layer="csa", phase="prefill", cp=4, scope="collectives", model="tiny")
+    assert run.exit_code == 0, run
+    assert all(run.verdict(t)["passed"] for t in EXCHANGED), run
+
+
+@pytest.mark.parametrize("impl, failing", [
+    (defects.PrefillTailsInRankMajorOrder, {"logical_tails_out": [0, 1], "logical_hidden_tails": [0, 1]}),
+    (defects.PrefillCSAIndexerRowsOnOwnerOnly, {"idx_kv_cache": [0, 1], "idx_kv_scale": [0, 1]}),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_csa_collectives_scope_defect_fails_naming_tensor_and_rank(tp_run, impl, failing):
+    run = tp_run(layer="csa", phase="prefill", cp=2, scope="collectives", model="tiny", impl=impl)
+    assert run.exit_code == 1, run
+    bad = {t: [r["rank"] for r in run.verdict(t)["per_rank"] if r["n_bad"]] for t in EXCHANGED}
+    assert {t: ranks for t, ranks in bad.items() if ranks} == failing, run
 
 
 def test_saved_csa_snapshot_replays(tp_run, tmp_path):
