@@ -21,11 +21,13 @@ _DIMS = (
     Dim("prefill_ori_block_num", ("in/kv_cache",), 1),  # the raw-KV ring's pages
 )
 _MARKS = ("reverse_index", "overlay_active_lengths")
-# scope=collectives: an exchange's sources alone (layers/prefill/collectives.py, hca_collectives.py),
+# scope=collectives: an exchange's sources alone (layers/prefill/collectives.py, hca_collectives.py,
+# csa_collectives.py; CSA's hold HCA's tails and its indexer rows besides, so CSA's come first),
 # the case in our manifest; each layout's by its source, cited from it.
 _EXCHANGE_DIMS = (Dim("head_dim", ("in/local_kv_tail", "in/kv"), -1),
                   Dim("hidden_size", ("in/local_hidden_tail",), -1))
-_EXCHANGES = (("hca", ("local_kv_tail", "local_hidden_tail", "reverse_index")), ("swa", ("local_kv_tail", "reverse_index")),
+_EXCHANGES = (("csa", ("local_kv_tail", "local_hidden_tail", "reverse_index", "idx_payload")),
+              ("hca", ("local_kv_tail", "local_hidden_tail", "reverse_index")), ("swa", ("local_kv_tail", "reverse_index")),
               ("hca", ("kv", "local_state")), ("swa", ("kv",)))
 
 PHASE_DECLARATIONS = (

@@ -150,7 +150,8 @@ def test_saved_prefill_snapshot_replays(tp_run, tmp_path, layout):
     assert replay.result["case"]["cp_layout"] == layout
 
 
-@pytest.mark.parametrize("layer, layout, output", [("swa", "contiguous", "gathered_kv"), ("hca", "zigzag", "cmp_kv")])
+@pytest.mark.parametrize("layer, layout, output", [("swa", "contiguous", "gathered_kv"), ("hca", "zigzag", "cmp_kv"),
+                                                  ("csa", "zigzag", "idx_kv_cache")])
 def test_saved_collectives_snapshot_replays_and_a_perturbed_one_fails(tp_run, tmp_path, layer, layout, output):
     """An exchange's snapshot holds no segment tables: the reader takes the prefill case from
     its manifest (told by the sources it holds), replays it to PASS, and FAILs a perturbed
@@ -176,3 +177,4 @@ def test_saved_collectives_snapshot_replays_and_a_perturbed_one_fails(tp_run, tm
     (saved / "manifest.json").unlink()
     bare = tp_run(golden_data=str(saved))
     assert bare.exit_code != 0 and "must name scope, prefix, segment_lens" in bare.output, bare
+    assert f"snapshot ({layer})" in bare.output, bare  # told by the sources it holds
