@@ -7,7 +7,7 @@ import torch
 
 from launcher.verify.build import build_compare_fn, compare_outputs
 from layers.contract.config import TINY
-from layers.prefill import fixture
+from layers.prefill import fixture, registry
 from layers.prefill.case import PrefillCase
 
 from .group import run_group
@@ -62,3 +62,10 @@ class WholePromptCases:
         got = self.layer.golden(case, stacked)
         return [(r, name) for r, want in enumerate(self.expected(case, inputs)) for name in self.layer.compared
                 if not torch.equal(got[name][r], want[name])]
+
+
+def scope_failures(case: PrefillCase, outputs: list[dict]) -> list[tuple[int, str]]:
+    """(rank, tensor) of every exchange output (`scope=collectives`) its scope's golden fails."""
+    scope = registry.of_case(case)
+    expected = [scope.golden(case, scope.rank_inputs(case, r)) for r in range(case.cp)]
+    return failures(scope.checks(case), outputs, expected)

@@ -14,7 +14,7 @@ from layers.contract.context import RankContext
 from layers.prefill import csa_collectives, csa_layer, registry
 from layers.prefill.csa_fixture import POOLS
 from layers.prefill.case import PrefillCase
-from tests.prefill.judge import failures
+from tests.prefill.judge import failures, scope_failures
 
 CPU = torch.device("cpu")
 
@@ -44,18 +44,12 @@ def _group(c: PrefillCase, run=None) -> list[dict]:
     return [{n: v[n] for n in csa_collectives.COMPARED} for v in values]
 
 
-def _judge(c: PrefillCase, outs: list[dict]) -> list[tuple[int, str]]:
-    scope = registry.of_case(c)
-    expected = [scope.golden(c, scope.rank_inputs(c, r)) for r in range(c.cp)]
-    return failures(scope.checks(c), outs, expected)
-
-
 @pytest.mark.parametrize("c", [
     case(1), case(2), case(4), case(4, prefix=301, segment_lens=(201, 77, 256, 130, 1, 61, 128, 3)),
 ], ids=lambda c: f"cp{c.cp}-p{c.prefix}")
 def test_exchanges_match_the_golden(c):
     assert registry.of_case(c) is csa_collectives.SCOPE
-    assert _judge(c, _group(c)) == []
+    assert scope_failures(c, _group(c)) == []
 
 
 def test_metadata_is_the_case_blocks_and_final_state():
@@ -80,7 +74,7 @@ def test_wrong_rows_on_one_rank_fail_there(stage, tensor):
         out = s.reference(ctx, run.every)
         return {**out, tensor: out[tensor].flip(0)} if s.name == stage and ctx.rank == 1 else out
 
-    assert _judge(c, _group(c, _every(run))) == [(1, tensor)]
+    assert scope_failures(c, _group(c, _every(run))) == [(1, tensor)]
 
 
 def test_tails_in_rank_order_fail_on_every_rank():
@@ -94,7 +88,7 @@ def test_tails_in_rank_order_fail_on_every_rank():
         index = run.every["reverse_index"]
         return s.reference(ctx, {**run.every, "reverse_index": torch.arange(index.shape[-1]).expand_as(index)})
 
-    assert sorted(_judge(c, _group(c, _every(run)))) == [(0, "logical_hidden_tails"), (0, "logical_tails_out"),
+    assert sorted(scope_failures(c, _group(c, _every(run)))) == [(0, "logical_hidden_tails"), (0, "logical_tails_out"),
                                                           (1, "logical_hidden_tails"), (1, "logical_tails_out")]
 
 
@@ -113,7 +107,7 @@ def test_indexer_rows_on_their_maker_only_fail_on_every_rank():
         out = s.reference(ctx, {**run.every, **{n: t.clone() for n, t in empty.items()}})
         return {**out, "idx_kv_cache": own["idx_kv_cache"], "idx_kv_scale": own["idx_kv_scale"]}
 
-    assert sorted(_judge(c, _group(c, _every(run)))) == [(0, "idx_kv_cache"), (0, "idx_kv_scale"),
+    assert sorted(scope_failures(c, _group(c, _every(run)))) == [(0, "idx_kv_cache"), (0, "idx_kv_scale"),
                                                           (1, "idx_kv_cache"), (1, "idx_kv_scale")]
 
 

@@ -12,7 +12,7 @@ from layers.contract.config import TINY, ConfigError
 from layers.contract.context import RankContext
 from layers.prefill import hca, hca_collectives, registry
 from layers.prefill.case import PrefillCase
-from tests.prefill.judge import failures
+from tests.prefill.judge import failures, scope_failures
 
 
 def case(cp=2, **kw) -> PrefillCase:
@@ -32,19 +32,13 @@ def _group(c: PrefillCase, damage=None) -> list[dict]:
     return [{n: v[n] for n in hca_collectives.EXCHANGES[c.cp_layout][1]} for v in values]
 
 
-def _judge(c: PrefillCase, outs: list[dict]) -> list[tuple[int, str]]:
-    scope = registry.of_case(c)
-    expected = [scope.golden(c, scope.rank_inputs(c, r)) for r in range(c.cp)]
-    return failures(scope.checks(c), outs, expected)
-
-
 @pytest.mark.parametrize("c", [
     case(1), case(2), case(4, prefix=300, segment_lens=(200, 77, 256, 130, 1, 60, 128, 3)),
     case(2, cp_layout="contiguous"), case(4, cp_layout="contiguous"),
 ], ids=lambda c: f"{c.cp_layout}-cp{c.cp}-p{c.prefix}")
 def test_exchanges_match_the_golden(c):
     assert registry.of_case(c) is hca_collectives.SCOPE
-    assert _judge(c, _group(c)) == []
+    assert scope_failures(c, _group(c)) == []
 
 
 def test_metadata_is_the_case_blocks_and_final_state():
@@ -68,7 +62,7 @@ def test_wrong_rows_on_one_rank_fail_there(layout, stage, tensor):
     def damage(name, rank, out):
         return {**out, tensor: out[tensor].flip(0)} if name == stage and rank == 1 else out
 
-    assert _judge(c, _group(c, damage)) == [(1, tensor)]
+    assert scope_failures(c, _group(c, damage)) == [(1, tensor)]
 
 
 def test_golden_places_rows_by_position_not_by_the_metadata():
